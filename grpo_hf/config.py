@@ -1,0 +1,265 @@
+"""`GRPOConfig`: every knob of a GRPO run, validated once in `__post_init__`.
+
+Field names and meanings follow TRL's `GRPOConfig` for the knobs the two share, so a TRL
+config ports by changing the import. Defaults follow DeepSeekMath (Shao et al., 2024, §4.2),
+the paper that defines GRPO; where they differ from TRL's defaults the class docstring says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from transformers import TrainingArguments
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSamplingLevel = Literal["token", "sequence", "sequence_sum"]
+RewardErrorPolicy = Literal["raise", "skip"]
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    r"""Configuration of [`GRPOTrainer`]: `TrainingArguments` plus the GRPO knobs.
+
+    `per_device_train_batch_size` counts **completions**, not prompts, as in TRL: with
+    `per_device_train_batch_size=8`, `num_generations=4` and one process, each micro-batch holds
+    2 prompts x 4 completions. The *generation batch* is `per_device_train_batch_size x
+    num_processes x steps_per_generation` completions; it must hold whole groups, i.e. be divisible
+    by `num_generations`. A group's completions may sit on different processes; advantages are
+    still computed over the whole group.
+
+    Defaults that differ from TRL's `GRPOConfig`, and why:
+
+    - `loss_type="grpo"` (TRL: `"dapo"`): the per-sequence length normalisation of the GRPO paper
+      (DeepSeekMath eq. 3). Pick `"dapo"` or `"dr_grpo"` to remove its length bias.
+    - `beta=0.04` (TRL: `0.0`): the KL coefficient used in DeepSeekMath §4.2. With `beta=0` no
+      reference model is built and no reference forward is run.
+    - `disable_dropout=True` (TRL: `False`): dropout makes the "on-policy" ratio differ from 1 and
+      adds noise to the old/reference log-probs; RL fine-tuning runs switch it off.
+    - `max_prompt_length=512` is kept (TRL 1.x removed it): prompts are left-truncated and the
+      `num_truncated_prompts` metric counts how often.
+    - `logging_steps=1`: RL runs are short and noisy; every step's reward is worth seeing.
+    - `bf16` keeps the `TrainingArguments` default (off) instead of TRL's "on unless fp16":
+      turn it on for GPUs; this library never assumes the hardware.
+    - Shared with TRL: `epsilon=0.2`, `scale_rewards="group"`, `num_generations=8`,
+      `learning_rate=1e-6`, `temperature=1.0`, `num_iterations=1`.
+    """
+
+    # ---- TrainingArguments defaults we change ----------------------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate (DeepSeekMath: 1e-6)."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={"help": "Keep every dataset column: the extra columns are passed to the reward functions."},
+    )
+
+    # ---- model ------------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string."},
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Set every dropout probability to 0 in the policy (and reference) model."},
+    )
+
+    # ---- data and generation ----------------------------------------------------------------------
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this many tokens are left-truncated. `None` disables truncation."},
+    )
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
+    )
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Group size during evaluation. `None` uses `num_generations`."}
+    )
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum number of generated tokens."})
+    shuffle_dataset: bool = field(
+        default=True, metadata={"help": "Shuffle prompts (never the copies inside a group) each epoch, under `seed`."}
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated at once, over all processes. `None`: per_device_train_batch_size x "
+            "num_processes x steps_per_generation. Set this or `steps_per_generation`, not both."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={"help": "Micro-batches served by one generation batch. `None`: gradient_accumulation_steps."},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; must be > 0."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling threshold; `None` disables it."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty; 1.0 disables it."})
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `GenerationConfig`; they override the above."}
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `tokenizer.apply_chat_template`."}
+    )
+
+    # ---- the GRPO objective -----------------------------------------------------------------------
+    beta: float = field(
+        default=0.04,
+        metadata={"help": "KL coefficient (k3 estimator). 0 builds no reference model and skips its forward."},
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Optimisation passes over each generation batch (mu in the paper)."}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range: ratio >= 1 - epsilon."})
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clipping range: ratio <= 1 + epsilon_high (DAPO clip-higher). `None`: epsilon."},
+    )
+    importance_sampling_level: ImportanceSamplingLevel = field(
+        default="token",
+        metadata={
+            "help": "'token': per-token ratios (GRPO). 'sequence': length-normalised sequence ratio (GSPO). "
+            "'sequence_sum': joint-probability ratio and sequence-level KL (DeepSeek-V2/V3; needs loss_type='grpo')."
+        },
+    )
+    loss_type: LossType = field(
+        default="grpo",
+        metadata={
+            "help": "'grpo': mean over sequences of the per-sequence token mean (DeepSeekMath). 'bnpo': token mean "
+            "over the local batch. 'dr_grpo': token sum / (N x max_completion_length) (Dr. GRPO). 'dapo': token sum "
+            "/ completion tokens in the whole global batch (DAPO)."
+        },
+    )
+    scale_rewards: ScaleRewards = field(
+        default="group",
+        metadata={
+            "help": "'group': divide advantages by the group std. 'batch': by the batch std. 'none': no scaling "
+            "(Dr. GRPO). `True`/`False` are accepted as 'group'/'none'."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function. `None`: all 1.0."}
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."},
+    )
+    reward_timeout: float | None = field(
+        default=None, metadata={"help": "Seconds one call of one reward function may take. `None`: no limit."}
+    )
+    reward_error_policy: RewardErrorPolicy = field(
+        default="raise",
+        metadata={
+            "help": "'raise': an exception in a reward function stops training. 'skip': the sample is scored None "
+            "and counted in the `rewards/<func>/errors` metric."
+        },
+    )
+
+    # ---- speed and memory -------------------------------------------------------------------------
+    logprob_chunk_size: int = field(
+        default=1024,
+        metadata={"help": "Rows (tokens) per chunk when computing log-probs and entropy from logits."},
+    )
+    torch_empty_cache_steps: int | None = field(
+        default=None, metadata={"help": "Call the accelerator's empty_cache every N steps (`None`: never)."}
+    )
+
+    # ---- logging ----------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Print a table of prompt / completion / rewards / advantage every logging step and append the "
+            "rows to `output_dir/completions.jsonl`."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=4, metadata={"help": "Rows printed per logging step when log_completions. `None`: all."}
+    )
+
+    def __post_init__(self):
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        super().__post_init__()
+        _check_choice("loss_type", self.loss_type, LossType)
+        _check_choice("scale_rewards", self.scale_rewards, ScaleRewards)
+        _check_choice("importance_sampling_level", self.importance_sampling_level, ImportanceSamplingLevel)
+        _check_choice("reward_error_policy", self.reward_error_policy, RewardErrorPolicy)
+
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to compare "
+                "them. Set num_generations >= 2."
+            )
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature} must be > 0: GRPO samples its groups. For greedy decoding in "
+                "evaluation use the recipe's evaluation; for training use e.g. temperature=1.0."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.beta < 0:
+            raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL term and the reference model).")
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon={self.epsilon} must be >= 0.")
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(
+                f"epsilon_high={self.epsilon_high} is smaller than epsilon={self.epsilon}; clip-higher needs "
+                "epsilon_high >= epsilon. Raise epsilon_high or leave it None to use epsilon."
+            )
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 (or None for no limit).")
+        if self.importance_sampling_level == "sequence_sum" and self.loss_type != "grpo":
+            raise ValueError(
+                f"importance_sampling_level='sequence_sum' works on whole sequences, so loss_type={self.loss_type!r} "
+                "(a token aggregation) does not apply. Set loss_type='grpo' or use importance_sampling_level="
+                "'token'/'sequence'."
+            )
+        if self.reward_timeout is not None and self.reward_timeout <= 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size=True would shrink the batch below whole groups of num_generations. Set it to "
+                "False and lower per_device_train_batch_size instead."
+            )
+
+        # The generation batch: one rollout serves `steps_per_generation` micro-batches.
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "generation_batch_size and steps_per_generation are both set; set only one of them (the other is "
+                "derived from per_device_train_batch_size x num_processes)."
+            )
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % global_batch != 0:
+                raise ValueError(
+                    f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                    f"per_device_train_batch_size x num_processes = {global_batch}."
+                )
+            self.steps_per_generation = self.generation_batch_size // global_batch
+        else:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            if self.steps_per_generation < 1:
+                raise ValueError(f"steps_per_generation={self.steps_per_generation} must be >= 1.")
+            self.generation_batch_size = global_batch * self.steps_per_generation
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(
+                f"The generation batch ({self.generation_batch_size} completions = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x {self.world_size} processes x steps_per_generation "
+                f"{self.steps_per_generation}) is not divisible by num_generations={self.num_generations}, so it "
+                "cannot hold whole groups. Change per_device_train_batch_size, gradient_accumulation_steps / "
+                "steps_per_generation, or num_generations."
+            )
+
+
+def _check_choice(name: str, value: Any, literal: Any) -> None:
+    choices = literal.__args__
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")

@@ -1,0 +1,71 @@
+"""Shared offline fixtures: a byte-level tokenizer with a ChatML template and tiny models from configs.
+
+Nothing here touches the network: the tokenizer is built in memory from the 256 byte symbols, and
+the models are randomly initialised from small configs.
+"""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer (one token per byte, no merges): encodes any text and decodes it exactly."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def build_tiny_model(tokenizer, arch: str = "llama", seed: int = 0, hidden_size: int = 32, num_layers: int = 2):
+    """A randomly initialised causal LM of a few tens of thousands of parameters."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_llama(tokenizer):
+    return build_tiny_model(tokenizer, "llama")
+
+
+@pytest.fixture
+def tiny_qwen2(tokenizer):
+    return build_tiny_model(tokenizer, "qwen2")
