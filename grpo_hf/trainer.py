@@ -1,0 +1,665 @@
+"""`GRPOTrainer`: GRPO on `transformers.Trainer`.
+
+One optimizer step (DESIGN.md §3)::
+
+    dataloader: one generation batch of prompts, each repeated G times (RepeatSampler)
+      -> rollout.generate            completion_ids [N, T], completion_mask [N, T], is_truncated [N]
+      -> rewards.compute_rewards     [N, R] (NaN = no reward), gathered over processes
+      -> core.group_advantages       over whole groups, then this process's rows are kept
+      -> old_logps / ref_logps       once per generation batch, only when they are needed
+      -> compute_loss (per slice)    policy logps -> core.grpo_loss
+      -> Trainer                     backward, clip, optimizer step, log
+
+The trainer only wires pieces together: the maths lives in `core`, generation in `rollout`,
+scoring in `rewards`. The loss is the one in DESIGN.md §5 exactly; the one place where the
+trainer touches it is the gradient-accumulation / data-parallel rescaling of `dapo` (see
+`compute_loss`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+)
+
+from grpo_hf.config import GRPOConfig
+from grpo_hf.core import (
+    combine_rewards,
+    entropy_from_logits,
+    group_advantages,
+    grpo_loss,
+    selective_log_softmax,
+)
+from grpo_hf.rewards import REWARD_FUNCS, compute_rewards, get_reward_funcs, reward_func_name
+from grpo_hf.rollout import (
+    RepeatSampler,
+    eos_token_ids_of,
+    generate,
+    is_conversational,
+    tokenize_prompts,
+)
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list] | str | PreTrainedModel
+
+
+def _identity_collator(features: list[dict]) -> list[dict]:
+    return features
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _nan_group_std(grouped: torch.Tensor) -> torch.Tensor:
+    """Sample std of each row of `grouped` [M, G], ignoring NaN; 0 for rows with fewer than 2 values."""
+    valid = ~torch.isnan(grouped)  # [M, G]
+    n = valid.sum(dim=1)  # [M]
+    values = torch.where(valid, grouped, torch.zeros_like(grouped))
+    mean = values.sum(dim=1) / n.clamp(min=1)  # [M]
+    var = (((values - mean.unsqueeze(1)) ** 2) * valid).sum(dim=1) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but keep the trainer importable without it
+        return False
+    return isinstance(model, PeftModel)
+
+
+class GRPOTrainer(Trainer):
+    """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
+
+    Args:
+        model: a Hub id or local path (loaded with `AutoModelForCausalLM`, `args.model_init_kwargs`),
+            or a `PreTrainedModel`.
+        reward_funcs: one or a list of: a callable with the TRL reward signature
+            `fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]`,
+            a registry name (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a
+            sequence-classification `PreTrainedModel`, or a path/Hub id of one.
+        args: a `GRPOConfig`.
+        train_dataset: a `datasets.Dataset` with a `prompt` column (text, or a list of chat
+            messages); every other column reaches the reward functions as a keyword argument.
+        eval_dataset: same format; evaluated by sampling `num_generations_eval` completions per prompt.
+        processing_class: the tokenizer; loaded from `model` when None.
+        reward_processing_classes: tokenizers for reward models (one per reward function, None
+            entries load the reward model's own).
+        peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
+            model is then the same model with its adapters disabled, not a second copy.
+        callbacks, optimizers: as for `transformers.Trainer`.
+    """
+
+    _tag_names = ["grpo", "grpo_hf"]
+    # Our loss is a per-micro-batch quantity: let Trainer divide it by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: RewardFunc | list[RewardFunc],
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers=(None, None),
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
+
+        # ---- model and tokenizer ------------------------------------------------------------------
+        model_id = model if isinstance(model, str) else None
+        if isinstance(model, str):
+            model = self._load_causal_lm(model, args)
+        elif not isinstance(model, PreTrainedModel):
+            raise TypeError(f"model must be a model id/path or a PreTrainedModel, got {type(model).__name__}.")
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id or model.config._name_or_path)
+        processing_class.padding_side = "left"
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if args.disable_dropout:
+            _disable_dropout(model)
+
+        # Reference model: only when the KL term is on. Under LoRA it is the base model with the
+        # adapters switched off, so no second copy is built.
+        ref_model = None
+        if args.beta != 0.0 and peft_config is None and not _is_peft_model(model):
+            ref_model = self._load_causal_lm(model_id, args) if model_id is not None else copy.deepcopy(model)
+            ref_model.eval().requires_grad_(False)
+            if args.disable_dropout:
+                _disable_dropout(ref_model)
+
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+            if args.gradient_checkpointing:
+                model.enable_input_require_grads()
+
+        # ---- data ----------------------------------------------------------------------------------
+        for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is None:
+                continue
+            columns = getattr(dataset, "column_names", None)
+            if columns is not None and "prompt" not in columns:
+                raise ValueError(
+                    f"{split} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
+                    "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+                )
+            if len(dataset) == 0:
+                raise ValueError(f"{split} is empty: it needs at least one prompt.")
+
+        # ---- rewards ---------------------------------------------------------------------------------
+        self.reward_funcs = self._build_reward_funcs(reward_funcs, reward_processing_classes, args)
+        self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} entries but there are {len(self.reward_funcs)} reward "
+                f"functions ({self.reward_func_names}). Give one weight per function."
+            )
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32)
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.model_accepts_loss_kwargs = False
+
+        num_processes = self.accelerator.num_processes
+        global_batch = args.per_device_train_batch_size * num_processes
+        if (global_batch * args.steps_per_generation) % args.num_generations != 0:
+            raise ValueError(
+                f"The generation batch (per_device_train_batch_size {args.per_device_train_batch_size} x "
+                f"{num_processes} processes x steps_per_generation {args.steps_per_generation}) is not divisible by "
+                f"num_generations={args.num_generations}. Change per_device_train_batch_size or num_generations."
+            )
+
+        # ---- reference model placement ---------------------------------------------------------------
+        self.ref_model = ref_model
+        if ref_model is not None:
+            if self.is_deepspeed_enabled:
+                from trl.models.utils import prepare_deepspeed
+
+                self.ref_model = prepare_deepspeed(ref_model, self.accelerator)
+            elif self.is_fsdp_enabled:
+                from trl.models.utils import prepare_fsdp
+
+                self.ref_model = prepare_fsdp(ref_model, self.accelerator)
+            else:
+                self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        for func in self.reward_funcs:
+            if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
+                func.model.to(self.accelerator.device)
+
+        # ---- generation --------------------------------------------------------------------------------
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.eos_token_ids = eos_token_ids_of(unwrapped, processing_class)
+        generation_kwargs = {
+            "max_new_tokens": args.max_completion_length,
+            "do_sample": True,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "pad_token_id": processing_class.pad_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "use_cache": True,
+        }
+        generation_kwargs.update(self._as_dict(args.generation_kwargs, "generation_kwargs"))
+        self.generation_config = GenerationConfig(**generation_kwargs)
+        self.chat_template_kwargs = self._as_dict(args.chat_template_kwargs, "chat_template_kwargs")
+
+        # ---- state -----------------------------------------------------------------------------------
+        # Old log-probs differ from the current policy's only if an optimizer step happens between
+        # generation and the last use of the batch: i.e. unless all steps_per_generation x
+        # num_iterations micro-steps of one rollout fall inside one accumulation window.
+        uses_per_rollout = args.steps_per_generation * args.num_iterations
+        self._needs_old_logps = args.gradient_accumulation_steps % uses_per_rollout != 0
+        self._micro_step = 0
+        self._buffer: list[dict[str, Any]] = []
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._completion_rows: list[dict[str, Any]] = []
+        self._num_tokens = 0
+        self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
+
+    # ---------------------------------------------------------------------------------------------
+    # construction helpers
+    # ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _as_dict(value, name: str) -> dict:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{name} must be a dict or a JSON object string; got {value!r}.") from err
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a dict; got {type(value).__name__}.")
+        return value
+
+    @staticmethod
+    def _load_causal_lm(model_id: str, args: GRPOConfig) -> PreTrainedModel:
+        kwargs = GRPOTrainer._as_dict(args.model_init_kwargs, "model_init_kwargs")
+        kwargs.setdefault("dtype", "auto")
+        try:
+            from grpo_hf.models import load_model
+        except ImportError:
+            return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        return load_model(model_id, **kwargs)
+
+    @staticmethod
+    def _build_reward_funcs(reward_funcs, reward_processing_classes, args) -> list[Callable]:
+        if not isinstance(reward_funcs, list | tuple):
+            reward_funcs = [reward_funcs]
+        if len(reward_funcs) == 0:
+            raise ValueError("reward_funcs is empty: give at least one reward function, name or model.")
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, list | tuple):
+            reward_processing_classes = [reward_processing_classes]
+        if reward_processing_classes is not None and len(reward_processing_classes) != len(reward_funcs):
+            raise ValueError(
+                f"reward_processing_classes has {len(reward_processing_classes)} entries for {len(reward_funcs)} "
+                "reward functions; give one per function (None where not a reward model)."
+            )
+        funcs = []
+        for k, func in enumerate(reward_funcs):
+            tokenizer = reward_processing_classes[k] if reward_processing_classes is not None else None
+            if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func):
+                funcs.extend(get_reward_funcs(func))
+            elif isinstance(func, str | PreTrainedModel):
+                from grpo_hf.reward_models import RewardModel
+
+                if isinstance(func, str) and not os.path.exists(func) and "/" not in func:
+                    # Neither a registry name nor a path nor a Hub id: fail with the registry's message.
+                    funcs.extend(get_reward_funcs(func))
+                    continue
+                funcs.append(RewardModel(func, tokenizer))
+            elif callable(func):
+                funcs.append(func)
+            else:
+                raise TypeError(f"reward_funcs[{k}] is a {type(func).__name__}; expected a callable, name or model.")
+        return funcs
+
+    # ---------------------------------------------------------------------------------------------
+    # data
+    # ---------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self):
+        # With remove_unused_columns=True keep only the prompt (the model's forward signature is irrelevant here).
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        args = self.args
+        return RepeatSampler(
+            num_prompts=len(dataset),
+            num_generations=args.num_generations,
+            prompts_per_batch=args.generation_batch_size // args.num_generations,
+            repeat_count=args.steps_per_generation * args.num_iterations,
+            shuffle=args.shuffle_dataset,
+            seed=args.seed,
+        )
+
+    def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
+        return RepeatSampler(
+            num_prompts=len(eval_dataset),
+            num_generations=self.args.num_generations_eval or self.args.num_generations,
+            prompts_per_batch=1,
+            shuffle=False,
+        )
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        # Each dataloader batch is this process's share of a whole generation batch; the sampler
+        # repeats it once per micro-step it serves (see RepeatSampler).
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # rollouts
+    # ---------------------------------------------------------------------------------------------
+    def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+        """Generate completions for this process's rows, score them, and compute advantages.
+
+        Returns tensors for this process's rows: prompt_ids/prompt_mask [B, P],
+        completion_ids/completion_mask [B, T], advantages [B] (train only).
+        """
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in inputs]
+        columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
+
+        prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
+            self.processing_class, prompts, args.max_prompt_length, self.chat_template_kwargs
+        )
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
+
+        from trl.models.utils import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+        ) as unwrapped:
+            completion_ids, completion_mask, is_truncated = generate(
+                unwrapped, prompt_ids, prompt_mask, self.generation_config, self.eos_token_ids
+            )  # [B, T], [B, T], [B]
+        self.num_generate_calls += 1
+
+        # Rewards see the text (and ids) of each completion up to and including its EOS.
+        lengths = completion_mask.sum(dim=1)  # [B]
+        completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
+        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True)
+        completions = texts
+        if is_conversational(prompts[0]):
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        reward_rows, errors = compute_rewards(
+            self.reward_funcs,
+            prompts,
+            completions,
+            completion_id_lists,
+            columns=columns,
+            trainer_state=self.state,
+            timeout=args.reward_timeout,
+            error_policy=args.reward_error_policy,
+        )
+        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
+
+        # Whole groups may straddle processes: gather, normalise over the full batch, keep our rows.
+        all_rewards = self.accelerator.gather(rewards)  # [N, R]
+        total = combine_rewards(all_rewards, self.reward_weights.to(device))  # [N]
+        all_lengths = self.accelerator.gather(lengths)  # [N]
+        all_truncated = self.accelerator.gather(is_truncated)  # [N]
+
+        metrics = self._metrics[mode]
+        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
+        valid = ~torch.isnan(total)
+        if valid.sum() == 0:
+            warnings.warn(
+                "Every reward function returned None for every completion of this batch; its advantages are 0 "
+                "and it does not move the policy. Check that the reward functions apply to this dataset.",
+                stacklevel=2,
+            )
+        metrics["reward"].append(total[valid].mean().item() if valid.any() else float("nan"))
+        for k, name in enumerate(self.reward_func_names):
+            column = all_rewards[:, k]
+            ok = ~torch.isnan(column)
+            metrics[f"rewards/{name}/mean"].append(column[ok].mean().item() if ok.any() else float("nan"))
+            metrics[f"rewards/{name}/std"].append(column[ok].std().item() if ok.sum() > 1 else 0.0)
+            if args.reward_error_policy == "skip":
+                metrics[f"rewards/{name}/errors"].append(float(self._sum_processes(errors.get(name, 0))))
+        if total.numel() % G == 0:
+            group_std = _nan_group_std(total.view(-1, G))  # [N / G]
+            metrics["reward_std"].append(group_std.mean().item())
+            metrics["frac_reward_zero_std"].append((group_std == 0).float().mean().item())
+        float_lengths = all_lengths.float()
+        metrics["completions/mean_length"].append(float_lengths.mean().item())
+        metrics["completions/min_length"].append(float_lengths.min().item())
+        metrics["completions/max_length"].append(float_lengths.max().item())
+        metrics["completions/clipped_ratio"].append(all_truncated.float().mean().item())
+        metrics["prompts/num_truncated"].append(float(self._sum_processes(int(is_prompt_truncated.sum()))))
+
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+        }
+        if mode == "train":
+            self._num_tokens += int(self._sum_processes(int(prompt_mask.sum() + lengths.sum())))
+            metrics["num_tokens"].append(float(self._num_tokens))
+            advantages = group_advantages(total, G, args.scale_rewards)  # [N]
+            start = self.accelerator.process_index * len(prompts)
+            batch["advantages"] = advantages[start : start + len(prompts)]  # [B]
+            if args.mask_truncated_completions:
+                batch["completion_mask"] = completion_mask * (~is_truncated).unsqueeze(1).long()
+            if args.log_completions:
+                self._remember_completions(prompts, texts, rewards, batch["advantages"])
+        return batch
+
+    def _sum_processes(self, value: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return value
+        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "sum").item())
+
+    def _split_into_slices(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Cut this process's generation batch into steps_per_generation micro-batches, trimming padding."""
+        size = self.args.per_device_train_batch_size
+        slices = []
+        for start in range(0, batch["prompt_ids"].size(0), size):
+            part = {k: (v[start : start + size] if v is not None else None) for k, v in batch.items()}
+            # Drop padding columns this slice does not need: left of the prompts, right of the completions.
+            keep_p = part["prompt_mask"].any(dim=0).nonzero()
+            first = int(keep_p.min()) if keep_p.numel() else 0
+            keep_c = part["completion_mask"].any(dim=0).nonzero()
+            last = int(keep_c.max()) + 1 if keep_c.numel() else 1
+            part["prompt_ids"], part["prompt_mask"] = part["prompt_ids"][:, first:], part["prompt_mask"][:, first:]
+            for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
+                if part.get(key) is not None:
+                    part[key] = part[key][:, :last]
+            slices.append(part)
+        return slices
+
+    def _prepare_rollout(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One generation batch -> scored, with old/ref log-probs -> micro-batch slices."""
+        batch = self._generate_and_score(inputs, "train")
+        with torch.no_grad():
+            batch["old_logps"] = self._logps_in_chunks(self.model, batch) if self._needs_old_logps else None
+            batch["ref_logps"] = None
+            if self.args.beta != 0.0:
+                if self.ref_model is not None:
+                    batch["ref_logps"] = self._logps_in_chunks(self.ref_model, batch)
+                else:  # LoRA: the reference is the base model, i.e. the adapters switched off
+                    with self.accelerator.unwrap_model(self.model).disable_adapter():
+                        batch["ref_logps"] = self._logps_in_chunks(self.model, batch)
+        slices = self._split_into_slices(batch)
+        # dapo normalises by the completion tokens of the whole optimizer step (all processes and
+        # accumulation slices). Count them per slice over all processes.
+        tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()  # [S]
+        tokens = self.accelerator.reduce(tokens, "sum") if self.accelerator.num_processes > 1 else tokens
+        ga, S = self.args.gradient_accumulation_steps, len(slices)
+        for k, part in enumerate(slices):
+            if S % ga == 0:  # exact: the optimizer step covers slices [w*ga, (w+1)*ga)
+                window = (k // ga) * ga
+                part["num_items_in_batch"] = tokens[window : window + ga].sum()
+            else:  # an optimizer step spans several rollouts: use this rollout's average
+                part["num_items_in_batch"] = tokens.sum() * ga / S
+        return slices
+
+    # ---------------------------------------------------------------------------------------------
+    # log-probabilities
+    # ---------------------------------------------------------------------------------------------
+    def _completion_logps(
+        self, model: nn.Module, batch: dict[str, Any], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T] of the completion tokens (at the sampling temperature), and entropy [B, T].
+
+        The forward pass covers prompt + completion; the LM head is applied only to the T + 1
+        positions that predict completion tokens (`logits_to_keep`).
+        """
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
+        T = completion_ids.size(1)
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+        ).logits[:, :-1, :]  # [B, T, V]
+
+        # Row chunks: upcast and temperature-scale one chunk at a time (bounded extra memory).
+        rows = max(1, self.args.logprob_chunk_size // max(T, 1))
+        logps, entropy = [], []
+        for start in range(0, logits.size(0), rows):
+            chunk = logits[start : start + rows].float() / self.args.temperature  # [b, T, V]
+            logps.append(selective_log_softmax(chunk, completion_ids[start : start + rows]))
+            if with_entropy:
+                entropy.append(entropy_from_logits(chunk.detach()))
+        return torch.cat(logps), (torch.cat(entropy) if with_entropy else None)
+
+    @torch.no_grad()
+    def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """No-grad log-probs for a whole generation batch, one micro-batch at a time, dropout off."""
+        was_training = model.training
+        model.eval()
+        try:
+            size = self.args.per_device_train_batch_size
+            parts = []
+            for start in range(0, batch["prompt_ids"].size(0), size):
+                part = {k: batch[k][start : start + size] for k in ("prompt_ids", "prompt_mask", "completion_ids")}
+                part["completion_mask"] = batch["completion_mask"][start : start + size]
+                parts.append(self._completion_logps(model, part)[0])
+            return torch.cat(parts)
+        finally:
+            model.train(was_training)
+
+    # ---------------------------------------------------------------------------------------------
+    # loss
+    # ---------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
+        args = self.args
+        period = args.steps_per_generation * args.num_iterations
+        if self._micro_step % period == 0:
+            self._buffer = self._prepare_rollout(inputs)
+        batch = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
+
+        logps, entropy = self._completion_logps(model, batch, with_entropy=True)  # [B, T]
+        mask = batch["completion_mask"]
+        loss, loss_metrics = grpo_loss(
+            logps,
+            batch["old_logps"],
+            batch["ref_logps"],
+            batch["advantages"],
+            mask,
+            loss_type=args.loss_type,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            beta=args.beta,
+            importance_sampling_level=args.importance_sampling_level,
+            max_completion_length=args.max_completion_length,
+            num_items_in_batch=batch["num_items_in_batch"],
+        )
+        if args.loss_type == "dapo":
+            # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer
+            # divides each micro-batch loss by the accumulation steps and data parallelism averages
+            # gradients over processes; undo both so the gradient is exactly that sum / count.
+            loss = loss * self.current_gradient_accumulation_steps * self.accelerator.num_processes
+
+        metrics = self._metrics["train"]
+        for key, value in loss_metrics.items():
+            metrics[key].append(value)
+        mask_f = mask.float()
+        metrics["entropy"].append(((entropy * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
+        return loss
+
+    # ---------------------------------------------------------------------------------------------
+    # evaluation
+    # ---------------------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Sample `num_generations_eval` completions per eval prompt and record their rewards."""
+        with torch.no_grad():
+            self._generate_and_score(inputs, "eval")
+        return None, None, None
+
+    # ---------------------------------------------------------------------------------------------
+    # logging
+    # ---------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        collected = self._metrics[mode]
+        keys = sorted(key for key, values in collected.items() if values)
+        if keys:
+            means = torch.tensor(
+                [sum(collected[k]) / len(collected[k]) for k in keys], dtype=torch.float64, device=self.args.device
+            )
+            if self.accelerator.num_processes > 1:  # every process logs at the same step
+                means = self.accelerator.reduce(means, "mean")
+            prefix = "eval_" if mode == "eval" else ""
+            logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
+        collected.clear()
+        if mode == "train" and self.args.log_completions and self._completion_rows:
+            self._write_completions()
+        super().log(logs, start_time)
+
+    def _remember_completions(self, prompts, texts, rewards, advantages) -> None:
+        def as_text(prompt):
+            return prompt[-1]["content"] if is_conversational(prompt) else prompt
+
+        rows = [
+            {
+                "step": self.state.global_step,
+                "prompt": as_text(p),
+                "completion": c,
+                "rewards": dict(zip(self.reward_func_names, r, strict=True)),
+                "advantage": a,
+            }
+            for p, c, r, a in zip(prompts, texts, rewards.tolist(), advantages.tolist(), strict=True)
+        ]
+        self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+
+    def _write_completions(self) -> None:
+        rows, self._completion_rows = self._completion_rows, []
+        if not self.accelerator.is_main_process:
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        shown = rows[: self.args.num_completions_to_print] if self.args.num_completions_to_print else rows
+        lines = [f"completions at step {self.state.global_step}:"]
+        for row in shown:
+            rewards = " ".join(f"{k}={v:.3g}" for k, v in row["rewards"].items())
+            lines.append(
+                f"  prompt: {row['prompt'][-80:]!r}\n  completion: {row['completion'][:200]!r}\n"
+                f"  rewards: {rewards}  advantage: {row['advantage']:+.3f}"
+            )
+        # A display the user asked for (log_completions), written beside the progress bar.
+        tqdm.write("\n".join(lines))
