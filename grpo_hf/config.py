@@ -156,9 +156,12 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- speed and memory -------------------------------------------------------------------------
-    logprob_chunk_size: int = field(
-        default=1024,
-        metadata={"help": "Rows (tokens) per chunk when computing log-probs and entropy from logits."},
+    logprob_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token positions per chunk when turning logits into log-probs and entropy. `None`: as many as "
+            "fit 2^23 logits (32 MiB in fp32), whatever the vocabulary size."
+        },
     )
     torch_empty_cache_steps: int | None = field(
         default=None, metadata={"help": "Call the accelerator's empty_cache every N steps (`None`: never)."}
@@ -221,7 +224,7 @@ class GRPOConfig(TrainingArguments):
             )
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
-        if self.logprob_chunk_size < 1:
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
         if self.auto_find_batch_size:
             raise ValueError(

@@ -84,6 +84,10 @@ def _nan_group_std(grouped: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
 
 
+def _looks_like_model(name: str) -> bool:
+    return os.path.exists(name) or "/" in name
+
+
 def _is_peft_model(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -302,15 +306,13 @@ class GRPOTrainer(Trainer):
         funcs = []
         for k, func in enumerate(reward_funcs):
             tokenizer = reward_processing_classes[k] if reward_processing_classes is not None else None
-            if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func):
+            # Strings: registry names and "module:function" first; paths and Hub ids ("org/name") are
+            # reward models; anything else fails with the registry's list of known names.
+            if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func or not _looks_like_model(func)):
                 funcs.extend(get_reward_funcs(func))
             elif isinstance(func, str | PreTrainedModel):
                 from grpo_hf.reward_models import RewardModel
 
-                if isinstance(func, str) and not os.path.exists(func) and "/" not in func:
-                    # Neither a registry name nor a path nor a Hub id: fail with the registry's message.
-                    funcs.extend(get_reward_funcs(func))
-                    continue
                 funcs.append(RewardModel(func, tokenizer))
             elif callable(func):
                 funcs.append(func)
@@ -532,15 +534,13 @@ class GRPOTrainer(Trainer):
             use_cache=False,
         ).logits[:, :-1, :]  # [B, T, V]
 
-        # Row chunks: upcast and temperature-scale one chunk at a time (bounded extra memory).
-        rows = max(1, self.args.logprob_chunk_size // max(T, 1))
-        logps, entropy = [], []
-        for start in range(0, logits.size(0), rows):
-            chunk = logits[start : start + rows].float() / self.args.temperature  # [b, T, V]
-            logps.append(selective_log_softmax(chunk, completion_ids[start : start + rows]))
-            if with_entropy:
-                entropy.append(entropy_from_logits(chunk.detach()))
-        return torch.cat(logps), (torch.cat(entropy) if with_entropy else None)
+        if self.args.temperature != 1.0:  # log-probs of the distribution that was sampled
+            logits = logits / self.args.temperature
+        # Both functions work in row chunks (upcast per chunk): no full fp32 copy of the logits.
+        chunk = self.args.logprob_chunk_size
+        logps = selective_log_softmax(logits, completion_ids, chunk_size=chunk)  # [B, T]
+        entropy = entropy_from_logits(logits.detach(), chunk_size=chunk) if with_entropy else None  # [B, T]
+        return logps, entropy
 
     @torch.no_grad()
     def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

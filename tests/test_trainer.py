@@ -1,0 +1,419 @@
+"""GRPOTrainer behaviour on tiny models built from configs (offline, CPU, seconds each)."""
+
+import asyncio
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from datasets import Dataset
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.rollout import RepeatSampler, completion_mask, tokenize_prompts
+
+
+def id_sum_reward(completion_ids, **kwargs):
+    """Varies within a group (depends on the sampled ids), so advantages are not all zero."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def make_args(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_prompt_length=64,
+        max_steps=2,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def make_dataset(n=8, **extra_columns):
+    columns = {
+        "prompt": [f"Question {i}: what is {i} + {i}?" for i in range(n)],
+        "answer": [str(2 * i) for i in range(n)],
+    }
+    columns.update(extra_columns)
+    return Dataset.from_dict(columns)
+
+
+def train_logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+# ---------------------------------------------------------------------------------------------------
+# pieces
+# ---------------------------------------------------------------------------------------------------
+def test_repeat_sampler_keeps_groups_and_repeats_batches():
+    sampler = RepeatSampler(num_prompts=7, num_generations=2, prompts_per_batch=3, repeat_count=2, shuffle=False)
+    assert list(sampler) == [0, 0, 1, 1, 2, 2] * 2 + [3, 3, 4, 4, 5, 5] * 2
+    assert len(sampler) == 24
+    shuffled = list(RepeatSampler(7, 2, 3, shuffle=True, seed=1))
+    again = list(RepeatSampler(7, 2, 3, shuffle=True, seed=1))
+    assert shuffled == again  # deterministic under the seed
+    assert all(shuffled[i] == shuffled[i + 1] for i in range(0, len(shuffled), 2))  # copies stay together
+    assert len(set(shuffled)) == 6 and shuffled != sorted(shuffled)
+
+
+def test_completion_mask_up_to_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    mask, truncated = completion_mask(ids, [2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_tokenize_prompts_left_pads_truncates_and_encodes_groups_once(tokenizer):
+    calls = []
+    original = tokenizer.__class__.__call__
+
+    def counting_call(self, texts, **kwargs):
+        calls.append(len(texts))
+        return original(self, texts, **kwargs)
+
+    prompts = ["ab"] * 3 + ["abcdef"] * 3
+    tokenizer.__class__.__call__ = counting_call
+    try:
+        ids, mask, truncated = tokenize_prompts(tokenizer, prompts, max_prompt_length=4)
+    finally:
+        tokenizer.__class__.__call__ = original
+    assert calls == [2]  # two distinct prompts encoded, not six
+    assert ids.shape == (6, 4)
+    assert mask[0].tolist() == [0, 0, 1, 1] and mask[3].tolist() == [1, 1, 1, 1]
+    assert tokenizer.decode(ids[3]) == "cdef"  # left-truncated: the end of the prompt is kept
+    assert truncated.tolist() == [False] * 3 + [True] * 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# construction errors
+# ---------------------------------------------------------------------------------------------------
+def test_missing_prompt_column_is_named(tmp_path, tokenizer, tiny_llama):
+    dataset = Dataset.from_dict({"question": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"no 'prompt' column \(found: \['question'\]\)"):
+        GRPOTrainer(tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_empty_dataset_is_rejected(tmp_path, tokenizer, tiny_llama):
+    dataset = Dataset.from_dict({"prompt": []})
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        GRPOTrainer(tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_batch_not_divisible_by_num_generations_names_the_settings(tmp_path):
+    with pytest.raises(ValueError, match="num_generations=4"):
+        make_args(tmp_path, per_device_train_batch_size=6)
+
+
+def test_wrong_number_of_reward_weights(tmp_path, tokenizer, tiny_llama):
+    with pytest.raises(ValueError, match="reward_weights has 1 entries but there are 2"):
+        GRPOTrainer(
+            tiny_llama,
+            [id_sum_reward, "accuracy"],
+            make_args(tmp_path, reward_weights=[1.0]),
+            train_dataset=make_dataset(),
+            processing_class=tokenizer,
+        )
+
+
+def test_unknown_reward_name_lists_known_names(tmp_path, tokenizer, tiny_llama):
+    with pytest.raises(ValueError, match="accuracy"):
+        GRPOTrainer(
+            tiny_llama, "no_such_reward", make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_changes_every_trainable_parameter(tmp_path, tokenizer, arch):
+    model = build_tiny_model(tokenizer, arch)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = GRPOTrainer(
+        model, id_sum_reward, make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+    )
+    trainer.train()
+    unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
+    assert unchanged == []
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in train_logs(trainer))
+
+
+def test_lora_trains_adapters_and_keeps_base_weights(tmp_path, tokenizer, tiny_llama):
+    from peft import LoraConfig
+
+    base = {name: p.detach().clone() for name, p in tiny_llama.named_parameters()}
+    trainer = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        make_args(tmp_path, beta=0.04),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"),
+    )
+    assert trainer.ref_model is None  # the reference is the base model with adapters off: no copy
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    trainer.train()
+    params = dict(trainer.model.named_parameters())
+    for name, value in base.items():
+        peft_name = "base_model.model." + name.replace("q_proj.weight", "q_proj.base_layer.weight").replace(
+            "v_proj.weight", "v_proj.base_layer.weight"
+        )
+        assert torch.equal(params[peft_name], value), name
+    assert lora_before and all(not torch.equal(params[n], p) for n, p in lora_before.items())
+    assert "kl" in train_logs(trainer)[0]
+
+
+@pytest.mark.parametrize(
+    "loss_type,scale_rewards,level",
+    [
+        (loss, scale, level)
+        for loss in ("grpo", "bnpo", "dr_grpo", "dapo")
+        for scale in ("group", "batch", "none")
+        for level in ("token", "sequence", "sequence_sum")
+        if not (level == "sequence_sum" and loss != "grpo")
+    ],
+)
+def test_loss_variants_train_to_finite_losses(tmp_path, tokenizer, tiny_llama, loss_type, scale_rewards, level):
+    args = make_args(
+        tmp_path,
+        loss_type=loss_type,
+        scale_rewards=scale_rewards,
+        importance_sampling_level=level,
+        max_steps=2,
+        num_iterations=2,
+    )
+    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer.train()
+    losses = [h["loss"] for h in train_logs(trainer)]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize(
+    "overrides,expected_calls",
+    [
+        (dict(num_iterations=2, max_steps=4), 2),  # each rollout serves 2 optimizer steps
+        (dict(steps_per_generation=2, max_steps=4), 2),  # each rollout serves 2 micro-batches = 2 steps
+        (dict(gradient_accumulation_steps=2, max_steps=2), 2),  # one rollout per optimizer step
+        (dict(max_steps=3), 3),
+    ],
+)
+def test_rollouts_are_reused(tmp_path, tokenizer, tiny_llama, overrides, expected_calls):
+    trainer = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        make_args(tmp_path, **overrides),
+        train_dataset=make_dataset(16),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert trainer.num_generate_calls == expected_calls
+    assert trainer.state.global_step == overrides["max_steps"]
+
+
+def test_old_logps_only_when_the_policy_moved(tmp_path, tokenizer, tiny_llama):
+    on_policy = GRPOTrainer(
+        tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+    )
+    assert on_policy._needs_old_logps is False
+    reused = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        make_args(tmp_path, num_iterations=2),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+    )
+    assert reused._needs_old_logps is True
+
+
+def test_without_shuffle_rollouts_cover_rows_in_order(tmp_path, tokenizer, tiny_llama):
+    seen = []
+
+    def recording_reward(prompts, completions, index, **kwargs):
+        seen.extend(index)
+        return [0.0] * len(prompts)
+
+    dataset = make_dataset(6, index=list(range(6)))
+    args = make_args(tmp_path, shuffle_dataset=False, max_steps=3, per_device_train_batch_size=8)
+    trainer = GRPOTrainer(tiny_llama, recording_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert seen == [i for i in range(6) for _ in range(4)]
+
+
+def test_beta_zero_builds_no_reference_and_logs_no_kl(tmp_path, tokenizer, tiny_llama):
+    trainer = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        make_args(tmp_path, beta=0.0),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+    )
+    assert trainer.ref_model is None
+    trainer.train()
+    assert all("kl" not in h for h in train_logs(trainer))
+
+
+def test_beta_positive_logs_kl_zero_at_first_step(tmp_path, tokenizer, tiny_llama):
+    trainer = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        make_args(tmp_path, beta=0.04),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+    )
+    assert trainer.ref_model is not None and not trainer.ref_model.training
+    trainer.train()
+    logs = train_logs(trainer)
+    assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before the first update
+    assert logs[1]["kl"] > 0
+
+
+def test_weighted_constant_rewards(tmp_path, tokenizer, tiny_llama):
+    def ones(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def zeros(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = make_args(tmp_path, reward_weights=[0.7, 0.3], max_steps=1)
+    trainer = GRPOTrainer(tiny_llama, [ones, zeros], args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer.train()
+    log = train_logs(trainer)[0]
+    assert log["reward"] == pytest.approx(0.7)
+    assert log["rewards/ones/mean"] == 1.0 and log["rewards/zeros/mean"] == 0.0
+    assert log["reward_std"] == 0.0 and log["frac_reward_zero_std"] == 1.0
+
+
+def test_all_none_rewards_train_with_a_warning(tmp_path, tokenizer, tiny_llama):
+    def not_applicable(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = GRPOTrainer(
+        tiny_llama,
+        not_applicable,
+        make_args(tmp_path, max_steps=1),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+    )
+    with pytest.warns(UserWarning, match="returned None"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_columns_and_trainer_state_reach_reward_functions(tmp_path, tokenizer, tiny_llama):
+    received = {}
+
+    def inspecting(prompts, completions, completion_ids, trainer_state, answer, topic, **kwargs):
+        received.update(answer=list(answer), topic=list(topic), step=trainer_state.global_step, n=len(prompts))
+        return [1.0] * len(prompts)
+
+    dataset = make_dataset(4, topic=["t0", "t1", "t2", "t3"])
+    args = make_args(tmp_path, max_steps=1, shuffle_dataset=False)
+    trainer = GRPOTrainer(tiny_llama, inspecting, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    assert received == {"answer": ["0"] * 4, "topic": ["t0"] * 4, "step": 0, "n": 4}
+
+
+def test_async_reward_function(tmp_path, tokenizer, tiny_llama):
+    async def async_reward(completion_ids, **kwargs):
+        await asyncio.sleep(0)
+        return [float(len(ids)) for ids in completion_ids]
+
+    trainer = GRPOTrainer(
+        tiny_llama,
+        async_reward,
+        make_args(tmp_path, max_steps=1),
+        train_dataset=make_dataset(),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert train_logs(trainer)[0]["rewards/async_reward/mean"] > 0
+
+
+def test_all_truncated_and_masked_leaves_parameters_unchanged(tmp_path, tokenizer, tiny_llama):
+    before = {n: p.detach().clone() for n, p in tiny_llama.named_parameters()}
+    args = make_args(
+        tmp_path,
+        mask_truncated_completions=True,
+        generation_kwargs={"min_new_tokens": 8},  # EOS is blocked: every completion is truncated
+    )
+    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer.train()
+    assert train_logs(trainer)[0]["completions/clipped_ratio"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in tiny_llama.named_parameters())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gradient_accumulation_invariance(tmp_path, tokenizer, loss_type):
+    """One optimizer step on 8 completions equals 2 accumulated micro-batches of 4, same rollouts."""
+    updated = []
+    for per_device, accumulation in ((8, 1), (4, 2)):
+        model = build_tiny_model(tokenizer, seed=3)
+        args = make_args(
+            tmp_path,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            num_generations=4,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            max_grad_norm=0.0,
+            loss_type=loss_type,
+            beta=0.04,
+        )
+        trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+        trainer.train()
+        assert trainer.num_generate_calls == 1
+        updated.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    initial = dict(build_tiny_model(tokenizer, seed=3).named_parameters())
+    assert sum((updated[0][n] - initial[n]).abs().sum() for n in initial) > 0
+    for name in initial:
+        delta_full, delta_accum = updated[0][name] - initial[name], updated[1][name] - initial[name]
+        torch.testing.assert_close(delta_accum, delta_full, rtol=1e-4, atol=1e-7)
+
+
+def test_eval_during_training_logs_eval_reward(tmp_path, tokenizer, tiny_llama):
+    args = make_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, max_steps=2)
+    trainer = GRPOTrainer(
+        tiny_llama,
+        id_sum_reward,
+        args,
+        train_dataset=make_dataset(),
+        eval_dataset=make_dataset(2),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    eval_logs = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert len(eval_logs) == 2
+    assert "eval_rewards/id_sum_reward/mean" in eval_logs[0] and "eval_completions/mean_length" in eval_logs[0]
+    standalone = trainer.evaluate()
+    assert "eval_reward" in standalone
+
+
+def test_conversational_prompts_and_log_completions(tmp_path, tokenizer, tiny_llama):
+    seen = {}
+
+    def chat_reward(prompts, completions, **kwargs):
+        seen["prompt"], seen["completion"] = prompts[0], completions[0]
+        return [float(len(c[0]["content"])) for c in completions]
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}"}] for i in range(4)]})
+    args = make_args(tmp_path, max_steps=1, log_completions=True, max_prompt_length=16)
+    trainer = GRPOTrainer(tiny_llama, chat_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    assert seen["prompt"][0]["role"] == "user"
+    assert seen["completion"][0]["role"] == "assistant"
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and set(rows[0]) == {"step", "prompt", "completion", "rewards", "advantage"}
+    # The chat template makes every prompt longer than 16 tokens: each one was left-truncated.
+    assert train_logs(trainer)[0]["prompts/num_truncated"] == 4
