@@ -1,0 +1,163 @@
+"""Reward models: a sequence-classification model that scores prompt + completion, wrapped as a reward function.
+
+As in TRL's `GRPOTrainer`, a reward model is an `AutoModelForSequenceClassification` with one label; the reward is
+`logits[:, 0]` of the text `prompt + completion`, tokenized with the reward model's *own* tokenizer (the policy's
+token ids are never reused: the two vocabularies may differ). `RewardModel` makes such a model a callable with the
+standard reward signature, so `compute_rewards` treats it like any other reward function.
+
+Departures from TRL, on purpose:
+- Plain-text inputs are tokenized with the tokenizer's special tokens (BOS), as `RewardTrainer` tokenizes its
+  training data; chat-templated text is tokenized without them (the template already holds them), as in TRL.
+- Texts longer than `max_length` keep their *last* `max_length` tokens: the score is read at the last token, so the
+  end of the completion is what must survive truncation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_hf.rewards import completion_text
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RewardModel", "load_reward_model"]
+
+
+def _is_conversational(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _as_messages(value: Any, role: str) -> list[dict]:
+    return list(value) if _is_conversational(value) else [{"role": role, "content": completion_text(value)}]
+
+
+class RewardModel:
+    """A sequence-classification model (num_labels=1) as a reward function: `rm(prompts, completions) -> list[float]`.
+
+    Args:
+        model: a `PreTrainedModel` for sequence classification, or a path / Hub id loaded with
+            `AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)`.
+        processing_class: the reward model's tokenizer (or a path to one); by default loaded from the model's
+            `name_or_path`. A missing pad token is set to the EOS token, and `model.config.pad_token_id` to match.
+        batch_size: texts per forward pass.
+        max_length: keep at most this many tokens per text (the last ones); `None`: no limit.
+        model_init_kwargs: extra `from_pretrained` arguments when `model` is a path (e.g. `{"dtype": "bfloat16"}`).
+
+    Scoring: for conversational samples (lists of chat messages) the prompt and completion messages are joined and
+    rendered with the tokenizer's chat template when it has one; otherwise, and for plain strings, the text is
+    `prompt + completion`. The model runs in eval mode under `torch.no_grad()` on the device of its parameters (move
+    it with `.to(device)`). `__name__` is the basename of the model's `name_or_path` (the metric name).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | os.PathLike,
+        processing_class: PreTrainedTokenizerBase | str | None = None,
+        *,
+        batch_size: int = 16,
+        max_length: int | None = None,
+        model_init_kwargs: dict[str, Any] | None = None,
+    ):
+        if isinstance(model, (str, os.PathLike)):
+            model = AutoModelForSequenceClassification.from_pretrained(
+                os.fspath(model), num_labels=1, **(model_init_kwargs or {})
+            )
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"RewardModel needs a PreTrainedModel or a path to one, got {type(model).__name__}.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1.")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length={max_length} must be >= 1 (or None).")
+        name_or_path = getattr(model.config, "_name_or_path", "") or ""
+        if processing_class is None or isinstance(processing_class, (str, os.PathLike)):
+            source = os.fspath(processing_class) if processing_class is not None else name_or_path
+            if not source:
+                raise ValueError(
+                    "RewardModel got a model built in memory and no processing_class: pass the reward model's "
+                    "tokenizer (GRPOTrainer: reward_processing_classes)."
+                )
+            processing_class = AutoTokenizer.from_pretrained(source)
+        if processing_class.pad_token is None:
+            if processing_class.eos_token is None:
+                raise ValueError("The reward tokenizer has neither a pad token nor an EOS token to pad with; set one.")
+            processing_class.pad_token = processing_class.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = processing_class.pad_token_id
+        num_labels = getattr(model.config, "num_labels", 1)
+        if num_labels != 1:
+            logger.warning("Reward model %r has num_labels=%d; the reward is logits[:, 0].", name_or_path, num_labels)
+
+        self.model = model.eval()
+        self.processing_class = processing_class
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.__name__ = os.path.basename(name_or_path.rstrip("/\\")) or type(model).__name__
+        self._warned_truncation = False
+
+    def to(self, device: torch.device | str) -> RewardModel:
+        self.model.to(device)
+        return self
+
+    def texts(self, prompts: list, completions: list) -> tuple[list[str], list[bool]]:
+        """The texts the model scores, and whether each is tokenized with special tokens (False for chat templates)."""
+        tokenizer = self.processing_class
+        texts, add_special = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if (_is_conversational(prompt) or _is_conversational(completion)) and tokenizer.chat_template:
+                messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
+                texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+                add_special.append(False)
+            else:
+                texts.append(completion_text(prompt) + completion_text(completion))
+                add_special.append(True)
+        return texts, add_special
+
+    def _encode(self, texts: list[str], add_special: list[bool]) -> list[list[int]]:
+        ids: list[list[int] | None] = [None] * len(texts)
+        for flag in (True, False):
+            idx = [i for i, f in enumerate(add_special) if f is flag]
+            if idx:
+                encoded = self.processing_class([texts[i] for i in idx], add_special_tokens=flag)["input_ids"]
+                for i, row in zip(idx, encoded, strict=True):
+                    ids[i] = list(row)
+        if self.max_length is not None and any(len(row) > self.max_length for row in ids):
+            if not self._warned_truncation:
+                logger.warning("Reward model %r: texts longer than %d tokens keep their last tokens.", self.__name__,
+                               self.max_length)  # fmt: skip
+                self._warned_truncation = True
+            ids = [row[-self.max_length :] for row in ids]
+        return ids
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, completion_ids=None, trainer_state=None, **kwargs) -> list[float]:
+        texts, add_special = self.texts(prompts, completions)
+        ids = self._encode(texts, add_special)
+        device = next(self.model.parameters()).device
+        pad_id = self.processing_class.pad_token_id
+        rewards: list[float] = []
+        for start in range(0, len(ids), self.batch_size):
+            batch = ids[start : start + self.batch_size]
+            width = max(len(row) for row in batch)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, L], right padded
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, L]
+            for i, row in enumerate(batch):
+                input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+                attention_mask[i, : len(row)] = 1
+            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+            rewards.extend(logits[:, 0].float().tolist())  # [B]
+        return rewards
+
+    def __repr__(self) -> str:
+        return f"RewardModel({self.__name__!r}, batch_size={self.batch_size}, max_length={self.max_length})"
+
+
+def load_reward_model(
+    path: str | os.PathLike, processing_class: PreTrainedTokenizerBase | str | None = None, **kwargs: Any
+) -> RewardModel:
+    """`RewardModel(path, processing_class, **kwargs)`: load a sequence-classification reward model from a path."""
+    return RewardModel(path, processing_class, **kwargs)
