@@ -1,0 +1,80 @@
+"""One GRPO step on fixed rollouts, run under torchrun with 1 or 2 CPU processes (gloo).
+
+Generation is replaced by a deterministic function of the *global* row index, so every process
+layout sees the same completions; everything after it (rewards, gather, advantages, loss, DDP
+backward, optimizer step) is the real trainer. Writes advantages, loss and parameters to argv[1].
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from datasets import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
+
+from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+import grpo_hf.trainer as trainer_module  # noqa: E402
+from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf.rollout import completion_mask  # noqa: E402
+
+GLOBAL_BATCH, G, T = 8, 8, 6
+
+
+def fixed_generate(model, prompt_ids, prompt_mask, generation_config, eos_token_ids):
+    B = prompt_ids.size(0)
+    rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
+    completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
+    eos_at = 1 + rows % T  # [B] varying lengths; rows with eos_at == T are truncated
+    for i, k in enumerate(eos_at.tolist()):
+        if k < T:
+            completion_ids[i, k] = eos_token_ids[0]
+    mask, truncated = completion_mask(completion_ids, eos_token_ids)
+    return completion_ids.to(prompt_ids.device), mask.to(prompt_ids.device), truncated.to(prompt_ids.device)
+
+
+def main(out_path: str, loss_type: str) -> None:
+    trainer_module.generate = fixed_generate
+    # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
+    # the process count comes from torchrun's environment here.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=5)
+    dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
+
+    def reward(completion_ids, **kwargs):
+        return [float(sum(ids) % 11) for ids in completion_ids]
+
+    args = GRPOConfig(
+        output_dir=str(Path(out_path).parent / "run"),
+        per_device_train_batch_size=GLOBAL_BATCH // world_size,
+        num_generations=G,
+        max_completion_length=T,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=0.0,
+        loss_type=loss_type,
+        beta=0.04,
+        shuffle_dataset=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    advantages = torch.cat([part["advantages"] for part in trainer._buffer])
+    all_advantages = trainer.accelerator.gather(advantages)
+    if trainer.accelerator.is_main_process:
+        loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        torch.save({"advantages": all_advantages, "loss": loss, "params": params}, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
