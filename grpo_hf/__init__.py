@@ -19,18 +19,37 @@ _EXPORTS = {
     "format_reward": "grpo_hf.rewards",
     "tag_count_reward": "grpo_hf.rewards",
     "soft_overlong_punishment": "grpo_hf.rewards",
+    "gsm8k_format_reward": "grpo_hf.rewards",
+    "make_accuracy_reward": "grpo_hf.rewards",
+    "compute_rewards": "grpo_hf.rewards",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "REWARD_FUNCS",
+    "accuracy_reward",
+    "compute_rewards",
+    "extract_answer",
+    "format_reward",
+    "get_reward_funcs",
+    "gsm8k_format_reward",
+    "make_accuracy_reward",
+    "soft_overlong_punishment",
+    "tag_count_reward",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from grpo_hf.config import GRPOConfig
     from grpo_hf.rewards import (
         REWARD_FUNCS,
         accuracy_reward,
+        compute_rewards,
         extract_answer,
         format_reward,
         get_reward_funcs,
+        gsm8k_format_reward,
+        make_accuracy_reward,
         soft_overlong_punishment,
         tag_count_reward,
     )

@@ -163,9 +163,6 @@ class GRPOConfig(TrainingArguments):
             "fit 2^23 logits (32 MiB in fp32), whatever the vocabulary size."
         },
     )
-    torch_empty_cache_steps: int | None = field(
-        default=None, metadata={"help": "Call the accelerator's empty_cache every N steps (`None`: never)."}
-    )
 
     # ---- logging ----------------------------------------------------------------------------------
     log_completions: bool = field(
@@ -266,3 +263,20 @@ def _check_choice(name: str, value: Any, literal: Any) -> None:
     choices = literal.__args__
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
+
+
+def config_reference_markdown() -> str:
+    """The README's config reference: one row per GRPOConfig field (TrainingArguments' own are not repeated)."""
+    import dataclasses
+
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name not in GRPOConfig.__annotations__:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append(f"| `{f.name}` | `{default!r}` | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m grpo_hf.config  -> the README's config table
+    print(config_reference_markdown())
