@@ -32,8 +32,6 @@ from accelerate.utils import gather_object
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
     PreTrainedModel,
     Trainer,
@@ -48,6 +46,7 @@ from grpo_hf.core import (
     grpo_loss,
     selective_log_softmax,
 )
+from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rewards import REWARD_FUNCS, compute_rewards, get_reward_funcs, reward_func_name
 from grpo_hf.rollout import (
     RepeatSampler,
@@ -148,7 +147,7 @@ class GRPOTrainer(Trainer):
         elif not isinstance(model, PreTrainedModel):
             raise TypeError(f"model must be a model id/path or a PreTrainedModel, got {type(model).__name__}.")
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id or model.config._name_or_path)
+            processing_class = load_tokenizer(model_id or model.config._name_or_path)
         processing_class.padding_side = "left"
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
@@ -284,10 +283,6 @@ class GRPOTrainer(Trainer):
     def _load_causal_lm(model_id: str, args: GRPOConfig) -> PreTrainedModel:
         kwargs = GRPOTrainer._as_dict(args.model_init_kwargs, "model_init_kwargs")
         kwargs.setdefault("dtype", "auto")
-        try:
-            from grpo_hf.models import load_model
-        except ImportError:
-            return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
         return load_model(model_id, **kwargs)
 
     @staticmethod
