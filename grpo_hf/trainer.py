@@ -18,6 +18,7 @@ trainer touches it is the gradient-accumulation / data-parallel rescaling of `da
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -374,11 +375,7 @@ class GRPOTrainer(Trainer):
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
 
-        from trl.models.utils import unwrap_model_for_generation
-
-        with unwrap_model_for_generation(
-            self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
-        ) as unwrapped:
+        with self._model_for_generation() as unwrapped:
             completion_ids, completion_mask, is_truncated = generate(
                 unwrapped, prompt_ids, prompt_mask, self.generation_config, self.eos_token_ids
             )  # [B, T], [B, T], [B]
@@ -454,6 +451,20 @@ class GRPOTrainer(Trainer):
             if args.log_completions:
                 self._remember_completions(prompts, texts, rewards, batch["advantages"])
         return batch
+
+    @contextlib.contextmanager
+    def _model_for_generation(self):
+        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper).
+
+        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
+        """
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            from trl.models.utils import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
+                yield unwrapped
+        else:
+            yield self.accelerator.unwrap_model(self.model_wrapped)
 
     def _sum_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
