@@ -156,6 +156,34 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- speed and memory -------------------------------------------------------------------------
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "In the log-prob forwards (policy, old and reference), run each distinct prompt once and let the "
+            "completions of its group attend to its cached keys/values, cut to the group's longest completion: no "
+            "compute on repeated prompts or padding. Exact (same maths, float rounding aside). Used for "
+            "decoder-only models that are not wrapped by DDP/FSDP/DeepSpeed and not gradient-checkpointed; other "
+            "setups run one forward over the padded prompt + completion rows, as with False."
+        },
+    )
+    backward_per_group: bool = field(
+        default=True,
+        metadata={
+            "help": "With share_prompt_prefix on one process: run forward and backward one group (prompt) at a time, "
+            "so only one group's activations are in memory. The same gradient (the loss is a sum over rows), "
+            "float rounding aside. False: one backward over the whole micro-batch."
+        },
+    )
+    use_model_generate: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample with `model.generate` instead of grpo_hf's decoding loop. The loop gives the same "
+            "distribution (the same logits processors) faster: each distinct prompt is prefilled once for its "
+            "group, the KV cache is preallocated, and a token costs one uniform draw per row. Generation settings "
+            "the loop does not implement (anything beyond temperature, top_k, top_p, min_p, repetition_penalty) "
+            "use `model.generate` anyway."
+        },
+    )
     logprob_chunk_size: int | None = field(
         default=None,
         metadata={

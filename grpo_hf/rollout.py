@@ -7,8 +7,15 @@ Pieces, each small and testable on its own:
 - `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
   and encodes each distinct prompt once (a group's G copies share one encoding).
 - `completion_mask` marks completion tokens up to and including the first EOS (DESIGN.md §5, `m`).
+- `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
 - `generate` samples completions with the KV cache on, in eval mode, and returns
-  `completion_ids`, `completion_mask` and `is_truncated`.
+  `completion_ids`, `completion_mask` and `is_truncated`. Its own decoding loop (`sample_groups`)
+  prefills each distinct prompt once and copies its KV cache to the G rows of its group, keeps the
+  cache in preallocated tensors, and draws each token by inverse transform sampling (one uniform
+  number per row instead of `torch.multinomial`'s one exponential per vocabulary entry). The logits
+  go through the same `transformers` processors, in the same order, as in `model.generate`, so the
+  sampled distribution is the configured one; settings the loop does not implement fall back to
+  `model.generate`.
 """
 
 from __future__ import annotations
@@ -18,6 +25,17 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    StaticCache,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 
 class RepeatSampler(Sampler[int]):
@@ -165,6 +183,19 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """`(start, stop)` of every run of identical consecutive rows of `prompt_ids`/`prompt_mask` [N, P].
+
+    A group's G copies of one prompt are such a run (`RepeatSampler` keeps them together); a group
+    split across processes or micro-batches gives one run per piece.
+    """
+    if prompt_ids.size(0) == 0:
+        return []
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)  # [N-1]
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
+    return list(zip(starts, [*starts[1:], prompt_ids.size(0)], strict=True))
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -172,20 +203,27 @@ def generate(
     prompt_mask: torch.Tensor,
     generation_config,
     eos_token_ids: Sequence[int],
+    *,
+    use_model_generate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one completion per row of `prompt_ids`. The model is put in eval mode for the call.
 
+    Uses `sample_groups` when it implements every setting of `generation_config` (see
+    `supports_sample_groups`) and `use_model_generate` is False; `model.generate` otherwise.
     Returns `completion_ids [N, T]`, `completion_mask [N, T]` and `is_truncated [N]`.
     """
     was_training = model.training
     model.eval()
     try:
-        output = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-        )  # [N, P + T]
+        if not use_model_generate and supports_sample_groups(model, generation_config):
+            completion_ids = sample_groups(model, prompt_ids, prompt_mask, generation_config, eos_token_ids)
+        else:
+            output = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+            )  # [N, P + T]
+            completion_ids = output[:, prompt_ids.size(1) :]  # [N, T]
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.size(1) :]  # [N, T]
     if completion_ids.size(1) == 0:  # the model produced nothing at all
         completion_ids = torch.full(
             (prompt_ids.size(0), 1), generation_config.pad_token_id, dtype=torch.long, device=prompt_ids.device
@@ -195,3 +233,187 @@ def generate(
     mask, is_truncated = completion_mask(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(mask == 0, generation_config.pad_token_id)
     return completion_ids, mask, is_truncated
+
+
+# Generation settings `sample_groups` implements; anything else set in the config goes to `model.generate`.
+_SAMPLE_GROUPS_SETTINGS = frozenset(
+    {
+        "max_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+        "use_cache",
+        "transformers_version",
+    }
+)
+
+
+def supports_sample_groups(model, generation_config) -> bool:
+    """Whether `sample_groups` implements this model and every setting of `generation_config`.
+
+    It needs sampling (`do_sample=True`), `max_new_tokens`, a pad token, no setting outside
+    `_SAMPLE_GROUPS_SETTINGS`, and a decoder-only model whose KV cache holds plain full-attention
+    layers (no sliding window, no linear attention, no encoder).
+    """
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return False
+    if not generation_config.do_sample or generation_config.max_new_tokens is None:
+        return False
+    if generation_config.pad_token_id is None or not set(generation_config.to_diff_dict()) <= _SAMPLE_GROUPS_SETTINGS:
+        return False
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config the cache classes do not understand: leave it to `generate`
+        return False
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def logits_processors(generation_config, prompt_mask: torch.Tensor) -> LogitsProcessorList:
+    """The processors `model.generate` applies for these sampling settings, in its order.
+
+    Repetition penalty first (the prompt's left padding excluded, as in `generate`), then temperature,
+    top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
+    """
+    processors = LogitsProcessorList()
+    config = generation_config
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, padding_lengths))
+    if config.temperature is not None and config.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    if config.min_p is not None:
+        processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+    return processors
+
+
+def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """One index per row of `probs` [N, V], drawn with probability `probs[i, v] / probs[i].sum()`.
+
+    Inverse transform sampling: the first v whose cumulative probability exceeds u * total, with u
+    uniform in [0, 1) (`uniform` [N, 1], drawn here when None). The cumulative sum is taken in float64
+    (float32 where the device has no float64), so a token's interval has its probability's width to
+    ~1e-16. A zero-probability token is never drawn: its interval is empty, and rounding at the very
+    top is sent to the last token with p > 0. Returns `[N]` (long).
+    """
+    dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+    cdf = probs.to(dtype).cumsum(dim=-1)  # [N, V]
+    if uniform is None:
+        uniform = torch.rand((probs.size(0), 1), dtype=dtype, device=probs.device)
+    index = torch.searchsorted(cdf, uniform.to(dtype) * cdf[:, -1:], right=True).squeeze(1)  # [N]
+    last_positive = probs.size(-1) - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]
+    return torch.minimum(index, last_positive)
+
+
+def _repeat_cache_rows(cache, counts: torch.Tensor) -> None:
+    """Repeat row u of every layer of `cache` counts[u] times, in place: [U, ...] -> [N, ...]."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
+        layer.values = layer.values.repeat_interleave(counts, dim=0)
+
+
+def _select_cache_rows(cache, index: torch.Tensor) -> None:
+    """Keep only rows `index` of every layer of `cache`, in place."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
+
+
+# A finished row leaves the decoding batch (its cache rows are copied out) only if at least this many
+# steps remain: dropping it saves about one row of compute per step, copying the cache costs a few steps' worth.
+_MIN_STEPS_TO_DROP_ROWS = 8
+
+
+@torch.no_grad()
+def sample_groups(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Sample one completion per row, the prompt of each run of identical rows prefilled once.
+
+    The same computation as `model.generate` with `do_sample=True` (HF's `_sample` loop): the
+    logits at each step go through `logits_processors`, softmax, one draw per row; a row that has
+    produced an EOS is padded with `pad_token_id`; the loop stops when every row has finished or after
+    `max_new_tokens` steps. What differs is how: the U distinct prompts [U, P] are prefilled once and
+    their KV cache repeated to the N rows, the cache is preallocated (`StaticCache`, when the model
+    supports it) instead of grown by concatenation each step, finished rows leave the decoding batch
+    (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
+    with one uniform number per row and step whether or not the row is still in the batch.
+    Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
+    """
+    N, P = prompt_ids.shape
+    T = generation_config.max_new_tokens
+    device = prompt_ids.device
+    runs = prompt_runs(prompt_ids, prompt_mask)
+    counts = torch.tensor([stop - start for start, stop in runs], device=device)  # [U]
+    starts = [start for start, _ in runs]
+    unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
+
+    static = getattr(model, "_can_compile_fullgraph", False)
+    cache = StaticCache(config=model.config, max_cache_len=P + T) if static else DynamicCache(config=model.config)
+    if static and not all(type(layer) is StaticLayer for layer in cache.layers):
+        cache = DynamicCache(config=model.config)
+    # Positions as `generate` numbers them: the first real prompt token is 0, padding gets 1.
+    position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
+    logits = (
+        model(
+            input_ids=unique_ids,
+            attention_mask=unique_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        .logits[:, -1]
+        .float()
+    )  # [U, V]
+    if len(runs) < N:
+        _repeat_cache_rows(cache, counts)
+        logits = logits.repeat_interleave(counts, dim=0)  # [N, V]
+
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    pad = generation_config.pad_token_id
+    sequences = torch.cat([prompt_ids, prompt_ids.new_full((N, T), pad)], dim=1)  # [N, P + T]
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, T))], dim=1)  # [N, P + T]
+    next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
+    # The decoding batch: rows that have not produced an EOS yet (finished rows keep the pad they start with).
+    rows = torch.arange(N, device=device)  # [A] row of `sequences` of each batch row
+    finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
+    processors = logits_processors(generation_config, prompt_mask)
+    uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
+    for t in range(T):
+        scores = processors(sequences[rows, : P + t], logits)  # [A, V]
+        # One uniform per original row and step, whichever rows are still in the batch.
+        uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
+        tokens = sample_categorical(torch.softmax(scores, dim=-1), uniform).masked_fill(finished, pad)  # [A]
+        sequences[rows, P + t] = tokens
+        finished |= torch.isin(tokens, eos)
+        if t == T - 1 or bool(finished.all()):
+            break
+        if T - 1 - t >= _MIN_STEPS_TO_DROP_ROWS and bool(finished.any()):
+            keep = torch.nonzero(~finished).flatten()  # [A']
+            _select_cache_rows(cache, keep)
+            rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
+            processors = logits_processors(generation_config, prompt_mask[rows])
+        logits = (
+            model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask[rows, : P + t + 1],
+                position_ids=next_position[rows] + t,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [A, V]
+    return sequences[:, P : P + t + 1]  # [N, T]
