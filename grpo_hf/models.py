@@ -125,6 +125,7 @@ def offline_model_path(cache_dir: str | os.PathLike | None = None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-convert-", dir=root))
     try:
         convert_gguf(gguf_dir, _GGUF_FILE, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary, readable directory
         try:
             os.rename(tmp, target)
         except OSError:
