@@ -160,10 +160,11 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "In the log-prob forwards (policy, old and reference), run each distinct prompt once and let the "
-            "completions of its group attend to its cached keys/values, cut to the group's longest completion: no "
-            "compute on repeated prompts or padding. Exact (same maths, float rounding aside). Used for "
-            "decoder-only models that are not wrapped by DDP/FSDP/DeepSpeed and not gradient-checkpointed; other "
-            "setups run one forward over the padded prompt + completion rows, as with False."
+            "completions of its group attend to its cached keys/values, in at most two length buckets, each cut to "
+            "its longest completion: no compute on repeated prompts and little on padding. Exact (same maths, float "
+            "rounding aside). Used for decoder-only models that are not wrapped by DDP/FSDP/DeepSpeed and not "
+            "gradient-checkpointed; other setups run one forward over the padded prompt + completion rows, as with "
+            "False."
         },
     )
     backward_per_group: bool = field(
@@ -177,11 +178,12 @@ class GRPOConfig(TrainingArguments):
     use_model_generate: bool = field(
         default=False,
         metadata={
-            "help": "Sample with `model.generate` instead of grpo_hf's decoding loop. The loop gives the same "
-            "distribution (the same logits processors) faster: each distinct prompt is prefilled once for its "
-            "group, the KV cache is preallocated, and a token costs one uniform draw per row. Generation settings "
-            "the loop does not implement (anything beyond temperature, top_k, top_p, min_p, repetition_penalty) "
-            "use `model.generate` anyway."
+            "help": "Sample with `model.generate` instead of grpo_hf's decoding loop. The loop draws from the same "
+            "distribution (the same logits processors, the model's generation_config defaults included) faster: "
+            "each distinct prompt is prefilled once for its group, the KV cache is preallocated, finished rows leave "
+            "the batch, and a token costs one uniform draw per row. Settings the loop does not implement (anything "
+            "beyond temperature, top_k, top_p, min_p, repetition_penalty, in the config or the model's "
+            "generation_config) use `model.generate` anyway."
         },
     )
     logprob_chunk_size: int | None = field(

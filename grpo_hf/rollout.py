@@ -20,6 +20,7 @@ Pieces, each small and testable on its own:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,12 +31,11 @@ from transformers import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
-    StaticCache,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer
 
 
 class RepeatSampler(Sampler[int]):
@@ -235,44 +235,69 @@ def generate(
     return completion_ids, mask, is_truncated
 
 
-# Generation settings `sample_groups` implements; anything else set in the config goes to `model.generate`.
-_SAMPLE_GROUPS_SETTINGS = frozenset(
+# Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
+# model's `generation_config` sets one (transformers' global defaults).
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+# Other settings that may be present: they change nothing in how tokens are drawn.
+_NEUTRAL_SETTINGS = frozenset(
     {
         "max_new_tokens",
+        "max_length",
         "do_sample",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
         "pad_token_id",
         "eos_token_id",
         "bos_token_id",
         "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "output_logits",
+        "return_dict_in_generate",
         "transformers_version",
+        "_from_model_config",
     }
 )
 
 
 def supports_sample_groups(model, generation_config) -> bool:
-    """Whether `sample_groups` implements this model and every setting of `generation_config`.
+    """Whether `sample_groups` draws what `model.generate` would for this model and config.
 
-    It needs sampling (`do_sample=True`), `max_new_tokens`, a pad token, no setting outside
-    `_SAMPLE_GROUPS_SETTINGS`, and a decoder-only model whose KV cache holds plain full-attention
-    layers (no sliding window, no linear attention, no encoder).
+    It needs sampling (`do_sample=True`), `max_new_tokens` and a pad token; neither the config nor the
+    model's own `generation_config` (whose values `generate` uses where the config has none) may set
+    anything but the sampling settings of `_SAMPLING_DEFAULTS` and the neutral ones; and the model must
+    be decoder-only with a KV cache of plain full-attention layers (no sliding window, no linear attention).
     """
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
         return False
     if not generation_config.do_sample or generation_config.max_new_tokens is None:
         return False
-    if generation_config.pad_token_id is None or not set(generation_config.to_diff_dict()) <= _SAMPLE_GROUPS_SETTINGS:
+    if generation_config.pad_token_id is None:
         return False
+    allowed = _NEUTRAL_SETTINGS | set(_SAMPLING_DEFAULTS)
+    for settings in (generation_config, getattr(model, "generation_config", None)):
+        if settings is not None and not set(settings.to_diff_dict()) <= allowed:
+            return False
     try:
         cache = DynamicCache(config=config)
     except Exception:  # a config the cache classes do not understand: leave it to `generate`
         return False
     return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def resolve_sampling_settings(model, generation_config):
+    """A copy of `generation_config` whose unset sampling settings hold the values `generate` would use.
+
+    An unset (None) setting takes the model's `generation_config` value, else transformers' default
+    (`_SAMPLING_DEFAULTS`, e.g. top_k=50), as `GenerationMixin._prepare_generation_config` does.
+    """
+    resolved = copy.deepcopy(generation_config)
+    model_settings = getattr(model, "generation_config", None)
+    for name, default in _SAMPLING_DEFAULTS.items():
+        if getattr(resolved, name, None) is None:
+            value = getattr(model_settings, name, None) if model_settings is not None else None
+            setattr(resolved, name, default if value is None else value)
+    return resolved
 
 
 def logits_processors(generation_config, prompt_mask: torch.Tensor) -> LogitsProcessorList:
@@ -315,18 +340,55 @@ def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None)
     return torch.minimum(index, last_positive)
 
 
-def _repeat_cache_rows(cache, counts: torch.Tensor) -> None:
-    """Repeat row u of every layer of `cache` counts[u] times, in place: [U, ...] -> [N, ...]."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
-        layer.values = layer.values.repeat_interleave(counts, dim=0)
+class _PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in buffers of `capacity` positions, allocated at the first update.
+
+    `DynamicLayer` concatenates each step's keys/values onto the whole cache, copying it every step
+    (O(T^2) copies; 20% of decoding time for SmolLM2 at 64 tokens). Here a step writes its positions in
+    place and `keys`/`values` are views of the filled part, so attention and the mask see exactly what
+    `DynamicLayer` would give. The two buffers take the dtypes of the first keys and values, which can
+    differ (under autocast with fp32 weights, rotary embeddings leave the keys fp32 and the values bf16).
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._keys = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions overflowed ({end}).")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (any length: rows may repeat), in place."""
+        self._keys, self._values = self._keys.index_select(0, index), self._values.index_select(0, index)
+        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
 
-def _select_cache_rows(cache, index: torch.Tensor) -> None:
-    """Keep only rows `index` of every layer of `cache`, in place."""
+def _preallocated_cache(config, capacity: int) -> DynamicCache:
+    """A `DynamicCache` for `config` whose layers are `_PreallocatedLayer`s of `capacity` positions."""
+    cache = DynamicCache(config=config)
+    cache.layers = [_PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+def _take_cache_rows(cache, index: torch.Tensor) -> None:
+    """Keep rows `index` of every layer of `cache` (repeating rows where `index` repeats), in place."""
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, index)
-        layer.values = layer.values.index_select(0, index)
+        layer.take_rows(index)
 
 
 # A finished row leaves the decoding batch (its cache rows are copied out) only if at least this many
@@ -344,8 +406,8 @@ def sample_groups(
     logits at each step go through `logits_processors`, softmax, one draw per row; a row that has
     produced an EOS is padded with `pad_token_id`; the loop stops when every row has finished or after
     `max_new_tokens` steps. What differs is how: the U distinct prompts [U, P] are prefilled once and
-    their KV cache repeated to the N rows, the cache is preallocated (`StaticCache`, when the model
-    supports it) instead of grown by concatenation each step, finished rows leave the decoding batch
+    their KV cache repeated to the N rows, the cache is preallocated (`_PreallocatedLayer`) instead of
+    grown by concatenation each step, finished rows leave the decoding batch
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
     Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
@@ -358,10 +420,7 @@ def sample_groups(
     starts = [start for start, _ in runs]
     unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
 
-    static = getattr(model, "_can_compile_fullgraph", False)
-    cache = StaticCache(config=model.config, max_cache_len=P + T) if static else DynamicCache(config=model.config)
-    if static and not all(type(layer) is StaticLayer for layer in cache.layers):
-        cache = DynamicCache(config=model.config)
+    cache = _preallocated_cache(model.config, P + T)
     # Positions as `generate` numbers them: the first real prompt token is 0, padding gets 1.
     position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
     logits = (
@@ -377,7 +436,7 @@ def sample_groups(
         .float()
     )  # [U, V]
     if len(runs) < N:
-        _repeat_cache_rows(cache, counts)
+        _take_cache_rows(cache, torch.arange(len(runs), device=device).repeat_interleave(counts))
         logits = logits.repeat_interleave(counts, dim=0)  # [N, V]
 
     eos = torch.tensor(list(eos_token_ids), device=device)
@@ -388,6 +447,7 @@ def sample_groups(
     # The decoding batch: rows that have not produced an EOS yet (finished rows keep the pad they start with).
     rows = torch.arange(N, device=device)  # [A] row of `sequences` of each batch row
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
+    generation_config = resolve_sampling_settings(model, generation_config)
     processors = logits_processors(generation_config, prompt_mask)
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
@@ -401,7 +461,7 @@ def sample_groups(
             break
         if T - 1 - t >= _MIN_STEPS_TO_DROP_ROWS and bool(finished.any()):
             keep = torch.nonzero(~finished).flatten()  # [A']
-            _select_cache_rows(cache, keep)
+            _take_cache_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
             processors = logits_processors(generation_config, prompt_mask[rows])
         logits = (

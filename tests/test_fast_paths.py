@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.rollout import generate, sample_groups, tokenize_prompts
+from grpo_hf.rollout import generate, sample_groups, supports_sample_groups, tokenize_prompts
 
 
 def _prompts(tokenizer):
@@ -82,3 +82,30 @@ def test_shared_prompt_prefix_logps_equal_the_padded_forward(tmp_path, tokenizer
     torch.testing.assert_close(shared_entropy, full_entropy, rtol=1e-5, atol=1e-5)
     for a, b in zip(shared_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_sample_groups_uses_the_models_generation_config_defaults(tokenizer):
+    """A sampling setting unset in the call's config takes the model's generation_config value, as in generate()."""
+    model = build_tiny_model(tokenizer, seed=3).eval()
+    model.generation_config.top_k = 1  # the model's default makes sampling an argmax
+    prompt_ids, prompt_mask, _ = _prompts(tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=10, do_sample=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id]
+    )
+    assert config.top_k is None and supports_sample_groups(model, config)
+    ours, _, _ = generate(model, prompt_ids, prompt_mask, config, [tokenizer.eos_token_id])
+    reference, _, _ = generate(
+        model, prompt_ids, prompt_mask, config, [tokenizer.eos_token_id], use_model_generate=True
+    )
+    assert ours.shape == reference.shape and torch.equal(ours, reference)
+
+
+def test_settings_the_loop_does_not_implement_fall_back_to_model_generate(tokenizer):
+    model = build_tiny_model(tokenizer, seed=3).eval()
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
+    assert supports_sample_groups(model, config)
+    blocked = GenerationConfig(max_new_tokens=4, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+    blocked.no_repeat_ngram_size = 2
+    assert not supports_sample_groups(model, blocked)
+    model.generation_config.no_repeat_ngram_size = 2  # set on the model: generate() would apply it too
+    assert not supports_sample_groups(model, config)
