@@ -147,6 +147,21 @@ def test_training_changes_every_trainable_parameter(tmp_path, tokenizer, arch):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in train_logs(trainer))
 
 
+@pytest.mark.parametrize("precision", ["bf16_autocast", "bf16_weights"])
+def test_bf16_trains(tmp_path, tokenizer, precision):
+    """bf16=True over fp32 weights (autocast: rotary keys stay fp32, values bf16 in the KV cache), or bf16 weights."""
+    model = build_tiny_model(tokenizer, "llama")
+    if precision == "bf16_weights":
+        model = model.to(torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = make_args(tmp_path, bf16=precision == "bf16_autocast")
+    trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer.train()
+    assert [name for name, p in model.named_parameters() if torch.equal(p, before[name])] == []
+    logs = train_logs(trainer)
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor([h["loss"], h["kl"]])).all() for h in logs)
+
+
 def test_lora_trains_adapters_and_keeps_base_weights(tmp_path, tokenizer, tiny_llama):
     from peft import LoraConfig
 
