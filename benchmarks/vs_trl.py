@@ -9,18 +9,20 @@ Configs (2 prompts x G=8 = 16 completions per optimizer step, max_completion_len
 
     a: beta=0.04, num_iterations=1     b: as a, num_iterations=2     c: as a, beta=0
 
-Per config and trainer it reports the median seconds per optimizer step (the first step excluded; with
-num_iterations=k, the median over windows of the k steps that share a rollout, divided by k), completion tokens
-generated per second, the peak RSS (and peak CUDA memory on a GPU), the mean reward over all steps of all runs, and
-the ratios grpo_hf/TRL. On CUDA both trainers use bf16 autocast; on CPU fp32 unless `--bf16`.
+A run makes `--rollouts` rollouts, i.e. rollouts x num_iterations optimizer steps. Per config and trainer the table
+gives the median seconds per optimizer step over the timed rollouts (all but each run's first; with
+num_iterations=2, a rollout's two steps are averaged, as a step that generates and one that reuses alternate),
+completion tokens generated per second, the median peak RSS (and peak CUDA memory on a GPU), the mean reward over all
+rollouts of all runs, and the ratios. On CUDA both trainers use bf16 autocast; on CPU fp32 unless `--bf16`.
 
-    python benchmarks/vs_trl.py                       # configs a,b,c; --reps 2 --steps 3
+    python benchmarks/vs_trl.py                       # configs a,b,c; --reps 2 --rollouts 3
     python benchmarks/vs_trl.py --quick               # config a, 1 repetition
-    python benchmarks/vs_trl.py --configs a --reps 3 --steps 5 --json results.json
+    python benchmarks/vs_trl.py --configs a --reps 3 --rollouts 5 --json results.json
     python benchmarks/vs_trl.py --configs a --ablate '{"share_prompt_prefix": false}'   # grpo_hf vs itself
 
 The last line is `speedup=X.XX memory_ratio=Y.YY` for config a (the first config run when a is not): TRL's
-seconds per step over grpo_hf's, and grpo_hf's peak memory (CUDA when on a GPU, else RSS) over TRL's.
+seconds per step over grpo_hf's, and grpo_hf's peak memory (CUDA on a GPU, else RSS) over TRL's. With `--ablate`,
+the same for grpo_hf with the given settings against grpo_hf without them.
 """
 
 from __future__ import annotations
@@ -127,7 +129,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b,c", help="Comma-separated subset of a,b,c.")
     parser.add_argument("--reps", type=int, default=2, help="Repetitions per trainer and config (default 2).")
-    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run, the first untimed (default 3).")
+    parser.add_argument(
+        "--rollouts",
+        type=int,
+        default=3,
+        help="Rollouts (generation batches) per run, the first untimed; a run is rollouts x num_iterations optimizer "
+        "steps (default 3).",
+    )
     parser.add_argument("--quick", action="store_true", help="Config a, one repetition (overrides --configs/--reps).")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (always on with CUDA).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of repetition 0; repetition r uses seed + r.")
@@ -147,9 +155,8 @@ def main() -> None:
     unknown = sorted(set(configs) - set(NUM_ITERATIONS))
     if unknown:
         raise SystemExit(f"Unknown config(s) {unknown}; choose from a, b, c.")
-    min_steps = {c: 2 * NUM_ITERATIONS[c] for c in configs}
-    if any(args.steps < n for n in min_steps.values()):
-        raise SystemExit(f"--steps must be at least {max(min_steps.values())} (one untimed + one timed rollout).")
+    if args.rollouts < 2:
+        raise SystemExit("--rollouts must be at least 2: the first one is not timed.")
 
     import torch  # only to describe the hardware; the runs import their own
 
@@ -166,7 +173,7 @@ def main() -> None:
     labels = (variants[0][0], variants[1][0])
     print(
         f"# vs_trl: {device}, {'bf16 autocast' if bf16 else 'fp32'}, configs {','.join(configs)}, {reps} rep(s) "
-        f"x {args.steps} steps per trainer, seeds {args.seed}..{args.seed + reps - 1}"
+        f"x {args.rollouts} rollouts per trainer, seeds {args.seed}..{args.seed + reps - 1}"
         + (f", grpo_hf extra {extra}" if extra else ""),
         flush=True,
     )
@@ -176,7 +183,8 @@ def main() -> None:
     for config in configs:
         for rep in range(reps):
             for label, impl, fields in variants if rep % 2 == 0 else variants[::-1]:
-                run = run_worker(impl, config, args.steps, args.seed + rep, bf16, args.threads, fields)
+                steps = args.rollouts * NUM_ITERATIONS[config]
+                run = run_worker(impl, config, steps, args.seed + rep, bf16, args.threads, fields)
                 runs[config][label].append(run)
                 steps = " ".join(f"{s:.1f}" for s in run["step_seconds"])
                 print(
