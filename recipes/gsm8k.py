@@ -363,3 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # Leave together and close the process group: a rank that exits while the others still hold their
+    # gloo/NCCL connections can abort at interpreter shutdown ("terminate called without an active exception").
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        PartialState().wait_for_everyone()
+        PartialState().destroy_process_group()

@@ -74,6 +74,9 @@ def main(out_path: str, loss_type: str) -> None:
         loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"advantages": all_advantages, "loss": loss, "params": params}, out_path)
+    # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
