@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.rollout import generate, sample_groups, supports_sample_groups, tokenize_prompts
+from grpo_hf.rollout import generate, sample_categorical, sample_groups, supports_sample_groups, tokenize_prompts
 
 
 def _prompts(tokenizer):
@@ -109,3 +109,69 @@ def test_settings_the_loop_does_not_implement_fall_back_to_model_generate(tokeni
     assert not supports_sample_groups(model, blocked)
     model.generation_config.no_repeat_ngram_size = 2  # set on the model: generate() would apply it too
     assert not supports_sample_groups(model, config)
+
+
+def test_sample_categorical_inverse_transform():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(4, -1)  # cdf 0.1, 0.1, 0.7, 1.0
+    uniform = torch.tensor([[0.0], [0.0999], [0.1], [0.9999999]], dtype=torch.float64)
+    assert sample_categorical(probs, uniform).tolist() == [0, 0, 2, 3]  # token 1 (p = 0) is never drawn
+    unnormalised = torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0]])  # only the ratios matter
+    assert sample_categorical(unnormalised, torch.tensor([[0.99], [0.5]], dtype=torch.float64)).tolist() == [0, 2]
+    torch.manual_seed(0)
+    draws = sample_categorical(probs[:1].expand(100_000, -1))
+    frequencies = torch.bincount(draws, minlength=4).double() / draws.numel()
+    torch.testing.assert_close(frequencies, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=6e-3, rtol=0)
+
+
+def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
+    """softmax of the processed next-token logits [B, V], computed directly from HF's own warpers."""
+    from transformers import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = model(input_ids=input_ids).logits[:, -1].float()  # [B, V]
+    if "repetition_penalty" in settings:
+        scores = RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"])(input_ids, scores)
+    if "temperature" in settings:
+        scores = TemperatureLogitsWarper(settings["temperature"])(input_ids, scores)
+    if settings.get("top_k"):
+        scores = TopKLogitsWarper(settings["top_k"])(input_ids, scores)
+    if "top_p" in settings:
+        scores = TopPLogitsWarper(settings["top_p"])(input_ids, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+@torch.no_grad()
+def test_sample_groups_draws_from_the_models_distribution(tokenizer):
+    """The first two sampled tokens of 20,000 rows follow the exact distribution (repetition penalty, temperature,
+    top-k, top-p, EOS -> pad), computed token by token from the model; leaving out any one setting would be far off."""
+    model = build_tiny_model(tokenizer, seed=8).eval()
+    model.lm_head.weight.mul_(20)  # peaked logits, so that every sampling setting changes the distribution
+    settings = {"repetition_penalty": 1.5, "temperature": 0.7, "top_k": 12, "top_p": 0.9}
+    eos, pad, V = tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)
+    prompt = torch.arange(3, V, 2)[None]  # [1, P] every other byte token: the penalty hits about half the vocabulary
+    # Exact: p1 from the prompt; p(t2 | t1) from prompt + t1 for every t1; a row that ended with EOS gets pad.
+    p1 = _next_token_probs(model, prompt, settings)[0]  # [V]
+    extended = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, P + 1]
+    p2_given_t1 = _next_token_probs(model, extended, settings)  # [V, V]
+    p2_given_t1[eos] = torch.nn.functional.one_hot(torch.tensor(pad), V).float()
+    p2 = p1 @ p2_given_t1  # [V]
+
+    N = 20_000
+    config = GenerationConfig(max_new_tokens=2, do_sample=True, pad_token_id=pad, eos_token_id=[eos], **settings)
+    torch.manual_seed(0)
+    completion_ids = sample_groups(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1)).long(), config, [eos])
+
+    def total_variation(p, q):
+        return 0.5 * (p - q).abs().sum().item()
+
+    tolerance = 0.025  # the sampling noise of N = 20,000 draws over ~20 tokens is ~0.01
+    for position, exact in ((0, p1), (1, p2)):
+        empirical = torch.bincount(completion_ids[:, position], minlength=V).float() / N
+        assert total_variation(empirical, exact) < tolerance
+    for left_out in settings:  # the check above can tell each setting apart
+        others = {k: v for k, v in settings.items() if k != left_out}
+        assert total_variation(_next_token_probs(model, prompt, others)[0], p1) > 3 * tolerance, left_out
