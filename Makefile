@@ -33,4 +33,5 @@ format: install
 
 bench: install
 	$(PY) benchmarks/bench_rewards.py
+	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py

@@ -78,7 +78,7 @@ def common_config(config: str, steps: int, seed: int, bf16: bool, use_cpu: bool,
         disable_dropout=True,
         bf16=bf16,
         fp16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,  # TrainingArguments alias: gradient_checkpointing (TRL defaults it to True)
         # optimiser and schedule
         optim="adamw_torch",
         learning_rate=1e-6,
