@@ -181,14 +181,14 @@ def main() -> None:
     started = time.perf_counter()
     runs: dict[str, dict[str, list[dict]]] = {c: {label: [] for label in labels} for c in configs}
     for config in configs:
+        steps = args.rollouts * NUM_ITERATIONS[config]
         for rep in range(reps):
             for label, impl, fields in variants if rep % 2 == 0 else variants[::-1]:
-                steps = args.rollouts * NUM_ITERATIONS[config]
                 run = run_worker(impl, config, steps, args.seed + rep, bf16, args.threads, fields)
                 runs[config][label].append(run)
-                steps = " ".join(f"{s:.1f}" for s in run["step_seconds"])
+                seconds = " ".join(f"{s:.1f}" for s in run["step_seconds"])
                 print(
-                    f"  config {config} rep {rep} {label}: step seconds [{steps}], peak RSS "
+                    f"  config {config} rep {rep} {label}: step seconds [{seconds}], peak RSS "
                     f"{run['peak_rss_mib']:,.0f} MiB, rewards {[round(r, 3) for r in run['rewards']]}",
                     flush=True,
                 )

@@ -4,7 +4,13 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from datasets import Dataset
-from transformers import GenerationConfig
+from transformers import (
+    GenerationConfig,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.rollout import generate, sample_categorical, sample_groups, supports_sample_groups, tokenize_prompts
@@ -125,13 +131,6 @@ def test_sample_categorical_inverse_transform():
 
 def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
     """softmax of the processed next-token logits [B, V], computed directly from HF's own warpers."""
-    from transformers import (
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
     scores = model(input_ids=input_ids).logits[:, -1].float()  # [B, V]
     if "repetition_penalty" in settings:
         scores = RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"])(input_ids, scores)
