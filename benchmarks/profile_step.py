@@ -4,7 +4,7 @@ Builds the trainer of `benchmarks/vs_trl.py` (same model, data and knobs: `_work
 of a step with wall-clock timers, trains `--steps` steps and prints the seconds per step of each phase, the first
 step excluded. Phases:
 
-- `generate`: sampling the completions (`rollout.generate`);
+- `generate`: sampling the completions (the rollout engine's `generate`);
 - `rewards`: the reward functions;
 - `no-grad log-probs`: old (only when the policy moves between generation and use) and reference log-probs, once
   per generation batch;
@@ -48,6 +48,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     import grpo_hf.trainer as trainer_module
+    from grpo_hf.rollout import RolloutEngine
 
     transformers.logging.set_verbosity_error()
     phases: list[dict[str, float]] = []  # one dict of seconds per phase for each optimizer step
@@ -67,7 +68,7 @@ def main() -> None:
         return wrapper
 
     cls = trainer_module.GRPOTrainer
-    trainer_module.generate = timed("generate", trainer_module.generate)
+    RolloutEngine.generate = timed("generate", RolloutEngine.generate)
     trainer_module.compute_rewards = timed("rewards", trainer_module.compute_rewards)
     cls._logps_in_chunks = timed("no-grad log-probs", cls._logps_in_chunks)
     training_step = cls.training_step

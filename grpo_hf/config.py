@@ -175,16 +175,23 @@ class GRPOConfig(TrainingArguments):
             "float rounding aside. False: one backward over the whole micro-batch."
         },
     )
+    rollout_engine: str = field(
+        default="auto",
+        metadata={
+            "help": "How completions are sampled. 'auto': 'cuda_graph' on CUDA, 'loop' elsewhere, each falling back "
+            "when the model or settings do not allow it (the log says which engine runs and why). 'loop': grpo_hf's "
+            "decoding loop (each prompt prefilled once for its group, preallocated KV cache, finished rows leave the "
+            "batch). 'cuda_graph': a static KV cache and the decode step (forward, logits processors, draw) captured "
+            "as one CUDA graph, no host sync per token. 'generate': `model.generate` as configured. "
+            "'generate_static': `model.generate` with a static, compiled cache. All draw from the distribution "
+            "`model.generate` would (same processors, the model's generation_config defaults); settings beyond "
+            "temperature, top_k, top_p, min_p and repetition_penalty use `model.generate`. More engines: "
+            "`grpo_hf.rollout.register_engine`."
+        },
+    )
     use_model_generate: bool = field(
         default=False,
-        metadata={
-            "help": "Sample with `model.generate` instead of grpo_hf's decoding loop. The loop draws from the same "
-            "distribution (the same logits processors, the model's generation_config defaults included) faster: "
-            "each distinct prompt is prefilled once for its group, the KV cache is preallocated, finished rows leave "
-            "the batch, and a token costs one uniform draw per row. Settings the loop does not implement (anything "
-            "beyond temperature, top_k, top_p, min_p, repetition_penalty, in the config or the model's "
-            "generation_config) use `model.generate` anyway."
-        },
+        metadata={"help": "Alias of rollout_engine='generate' (kept for older configs)."},
     )
     logprob_chunk_size: int | None = field(
         default=None,
@@ -253,6 +260,20 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
+        if self.use_model_generate:
+            if self.rollout_engine not in ("auto", "generate"):
+                raise ValueError(
+                    f"use_model_generate=True asks for rollout_engine='generate' but rollout_engine="
+                    f"{self.rollout_engine!r} is set too. Keep only rollout_engine."
+                )
+            self.rollout_engine = "generate"
+        from grpo_hf.rollout.engine import ENGINES
+
+        if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:
+            raise ValueError(
+                f"rollout_engine={self.rollout_engine!r} is not one of {['auto', *ENGINES]} (register more with "
+                "grpo_hf.rollout.register_engine)."
+            )
         if self.auto_find_batch_size:
             raise ValueError(
                 "auto_find_batch_size=True would shrink the batch below whole groups of num_generations. Set it to "

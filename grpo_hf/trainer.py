@@ -3,7 +3,7 @@
 One optimizer step (DESIGN.md §3)::
 
     dataloader: one generation batch of prompts, each repeated G times (RepeatSampler)
-      -> rollout.generate            completion_ids [N, T], completion_mask [N, T], is_truncated [N]
+      -> rollout engine .generate    completion_ids [N, T], completion_mask [N, T], is_truncated [N]
       -> rewards.compute_rewards     [N, R] (NaN = no reward), gathered over processes
       -> core.group_advantages       over whole groups, then this process's rows are kept
       -> old_logps / ref_logps       once per generation batch, only when they are needed
@@ -25,38 +25,32 @@ import logging
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import (
-    DynamicCache,
-    GenerationConfig,
-    PreTrainedModel,
-    Trainer,
-    TrainerCallback,
-)
-from transformers.cache_utils import DynamicLayer
+from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
 
 from grpo_hf.config import GRPOConfig
-from grpo_hf.core import (
-    combine_rewards,
-    entropy_from_logits,
-    group_advantages,
-    grpo_loss,
-    selective_log_softmax,
+from grpo_hf.core import combine_rewards, group_advantages, grpo_loss
+from grpo_hf.logprobs import (
+    backward_per_group,
+    completion_logps,
+    is_peft_model,
+    logps_in_chunks,
+    supports_shared_prefix,
 )
 from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rewards import REWARD_FUNCS, compute_rewards, get_reward_funcs, reward_func_name
 from grpo_hf.rollout import (
     RepeatSampler,
+    RolloutEngine,
     eos_token_ids_of,
-    generate,
     is_conversational,
-    prompt_runs,
+    make_engine,
     tokenize_prompts,
 )
 
@@ -87,107 +81,19 @@ def _nan_group_std(grouped: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
 
 
-# Config attributes of models whose forward transforms the LM head's output (softcapping, scaling):
-# `_shared_prefix_logits` applies the LM head itself, so it leaves these models to their own forward.
-_LOGIT_TRANSFORMS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-    "output_multiplier",
-    "lm_head_multiplier",
-)
+class _AfterOptimizerStep(TrainerCallback):
+    """Tells the rollout engine that the weights changed (engines that keep a copy or a graph refresh it)."""
 
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
 
-def _supports_shared_prefix(model: nn.Module) -> bool:
-    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention."""
-    if _is_peft_model(model):
-        if model.active_peft_config.is_prompt_learning:  # virtual tokens are added by PeftModel.forward
-            return False
-        model = model.get_base_model()
-    config = getattr(model, "config", None)
-    if config is None or config.is_encoder_decoder or config.get_text_config() is not config:
-        return False
-    if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
-        return False
-    if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS):
-        return False
-    try:
-        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-    except Exception:  # a config the cache classes do not understand
-        return False
-
-
-def _length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch.Tensor]:
-    """Split rows with these completion lengths [n] into at most two buckets, to cut padding.
-
-    Each bucket is computed at its own longest length. Sorted by length, the split point that leaves
-    the fewest padded positions is taken if it saves at least `min_saving` of the positions of one
-    bucket (a second bucket costs one more decoder call). Returns the row indices of each bucket.
-    """
-    order = torch.argsort(lengths, stable=True)  # [n] shortest first
-    sorted_lengths = lengths[order].tolist()
-    n, longest = len(sorted_lengths), sorted_lengths[-1]
-    best_cost, best_split = n * longest, n
-    for k in range(1, n):  # rows order[:k] in the short bucket, at length sorted_lengths[k - 1]
-        cost = k * sorted_lengths[k - 1] + (n - k) * longest
-        if cost < best_cost:
-            best_cost, best_split = cost, k
-    if best_cost > (1 - min_saving) * n * longest:
-        return [order]
-    return [order[:best_split], order[best_split:]]
-
-
-def _shared_prefix_logits(model: nn.Module, batch: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
-
-    For each run of identical prompt rows (a group, `prompt_runs`), the prompt's p real tokens (no
-    padding) go through the decoder as one row. Its rows are split by completion length
-    (`_length_buckets`); each bucket's completions, cut to the bucket's longest (t tokens), go through
-    the decoder on top of the prompt's KV cache, repeated to the bucket's n rows, at positions p, p + 1,
-    ... The hidden states predicting completion token k are the prompt's last one (k = 0) and
-    completion token k - 1's; the LM head maps them to logits. These are the numbers of the padded full
-    forward (same positions, causal attention over the prompt and earlier completion tokens; the padding
-    after EOS is never attended to by a real token), float rounding aside. Gradients reach the prompt's
-    forward through the cache and its last hidden state. The prompt runs once per group, so with
-    dropout on, the group shares its dropout mask.
-    """
-    base = model.get_base_model() if _is_peft_model(model) else model  # PEFT layers live inside the base model
-    decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
-    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-    P = prompt_ids.size(1)
-    lengths = completion_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs
-    for start, stop in prompt_runs(prompt_ids, prompt_mask):
-        p = int(prompt_mask[start].sum())
-        prompt = decoder(input_ids=prompt_ids[start : start + 1, P - p :], use_cache=True)  # [1, p, H]
-        prompt_kv = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]  # [1, heads, p, d]
-        last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
-        for bucket in _length_buckets(lengths[start:stop]):
-            rows = bucket + start  # [n] rows of the batch
-            n, t = rows.numel(), int(lengths[rows].max())
-            hidden = last_hidden.expand(n, 1, -1)  # [n, 1, H]
-            if t > 1:
-                cache = DynamicCache(config=base.config)
-                for layer, (keys, values) in enumerate(prompt_kv):
-                    cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
-                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1)  # [n, t - 1]
-                completion = decoder(
-                    input_ids=completion_ids[rows, : t - 1], position_ids=positions, past_key_values=cache
-                ).last_hidden_state  # [n, t - 1, H]
-                hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
-            yield rows, lm_head(hidden)  # [n, t, V]
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.rollout is not None:
+            self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
 
 
 def _looks_like_model(name: str) -> bool:
     return os.path.exists(name) or "/" in name
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is a dependency, but keep the trainer importable without it
-        return False
-    return isinstance(model, PeftModel)
 
 
 class GRPOTrainer(Trainer):
@@ -252,7 +158,7 @@ class GRPOTrainer(Trainer):
         # Reference model: only when the KL term is on. Under LoRA it is the base model with the
         # adapters switched off, so no second copy is built.
         ref_model = None
-        if args.beta != 0.0 and peft_config is None and not _is_peft_model(model):
+        if args.beta != 0.0 and peft_config is None and not is_peft_model(model):
             ref_model = self._load_causal_lm(model_id, args) if model_id is not None else copy.deepcopy(model)
             ref_model.eval().requires_grad_(False)
             if args.disable_dropout:
@@ -357,6 +263,8 @@ class GRPOTrainer(Trainer):
         self._completion_rows: list[dict[str, Any]] = []
         self._num_tokens = 0
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
+        self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
+        self.add_callback(_AfterOptimizerStep(self))
 
     # ---------------------------------------------------------------------------------------------
     # construction helpers
@@ -469,11 +377,9 @@ class GRPOTrainer(Trainer):
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
 
-        # The keyword only when set: tests replace `generate` with a function of the five positional arguments.
-        generate_kwargs = {"use_model_generate": True} if args.use_model_generate else {}
         with self._model_for_generation() as unwrapped:
-            completion_ids, completion_mask, is_truncated = generate(
-                unwrapped, prompt_ids, prompt_mask, self.generation_config, self.eos_token_ids, **generate_kwargs
+            completion_ids, completion_mask, is_truncated = self._rollout_engine(unwrapped).generate(
+                unwrapped, prompt_ids, prompt_mask
             )  # [B, T], [B, T], [B]
         self.num_generate_calls += 1
 
@@ -548,6 +454,18 @@ class GRPOTrainer(Trainer):
                 self._remember_completions(prompts, texts, rewards, batch["advantages"])
         return batch
 
+    def _rollout_engine(self, model: nn.Module) -> RolloutEngine:
+        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
+        if self.rollout is None:
+            sharded = self.is_fsdp_enabled or (
+                self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+            )
+            self.rollout, why = make_engine(
+                self.args.rollout_engine, model, self.generation_config, self.eos_token_ids, sharded=sharded
+            )
+            logger.info(why)
+        return self.rollout
+
     @contextlib.contextmanager
     def _model_for_generation(self):
         """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper).
@@ -614,86 +532,29 @@ class GRPOTrainer(Trainer):
     # ---------------------------------------------------------------------------------------------
     # log-probabilities
     # ---------------------------------------------------------------------------------------------
-    def _completion_logps(
-        self, model: nn.Module, batch: dict[str, Any], with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, T] of the completion tokens (at the sampling temperature), and entropy [B, T].
-
-        With `share_prompt_prefix` (and a model it applies to) each group's prompt is run once
-        (`_shared_prefix_logits`); otherwise one forward pass covers the padded prompt + completion
-        rows. Either way the LM head is applied only to the positions that predict completion tokens.
-        """
-        if self._can_share_prefix(model):
-            return self._shared_prefix_logps(model, batch, with_entropy)
-        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
-        T = completion_ids.size(1)
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        ).logits[:, :-1, :]  # [B, T, V]
-
-        if self.args.temperature != 1.0:  # log-probs of the distribution that was sampled
-            logits = logits / self.args.temperature
-        # Both functions work in row chunks (upcast per chunk): no full fp32 copy of the logits.
-        chunk = self.args.logprob_chunk_size
-        logps = selective_log_softmax(logits, completion_ids, chunk_size=chunk)  # [B, T]
-        entropy = entropy_from_logits(logits.detach(), chunk_size=chunk) if with_entropy else None  # [B, T]
-        return logps, entropy
+    def _logprob_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        args = self.args
+        return {
+            "share_prefix": self._can_share_prefix(model),
+            "temperature": args.temperature,
+            "chunk_size": args.logprob_chunk_size,
+        }
 
     def _can_share_prefix(self, model: nn.Module) -> bool:
-        """Whether `_shared_prefix_logps` applies: the option is on, the model is the bare module (its
+        """Whether `logprobs.shared_prefix_logps` applies: the option is on, the model is the bare module (its
         wrapper's forward would be bypassed under DDP/FSDP/DeepSpeed), it is not gradient-checkpointed
-        (checkpointed layers drop the KV cache) and its architecture qualifies (`_supports_shared_prefix`)."""
+        (checkpointed layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
         if not self.args.share_prompt_prefix or self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return False
         if self.accelerator.unwrap_model(model) is not model:
             return False
         if model.training and any(getattr(module, "gradient_checkpointing", False) for module in model.modules()):
             return False
-        return _supports_shared_prefix(model)
+        return supports_shared_prefix(model)
 
-    def _shared_prefix_logps(
-        self, model: nn.Module, batch: dict[str, Any], with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_completion_logps` with each group's prompt run once; positions past a row's bucket get 0."""
-        completion_ids = batch["completion_ids"]
-        T = completion_ids.size(1)
-        chunk = self.args.logprob_chunk_size
-        rows, logps, entropy = [], [], []
-        for bucket, logits in _shared_prefix_logits(model, batch):  # logits [n, t, V], t <= T
-            if self.args.temperature != 1.0:  # log-probs of the distribution that was sampled
-                logits = logits / self.args.temperature
-            t = logits.size(1)
-            rows.append(bucket)
-            bucket_logps = selective_log_softmax(logits, completion_ids[bucket, :t], chunk_size=chunk)  # [n, t]
-            logps.append(nn.functional.pad(bucket_logps, (0, T - t)))  # [n, T]
-            if with_entropy:
-                entropy.append(nn.functional.pad(entropy_from_logits(logits.detach(), chunk_size=chunk), (0, T - t)))
-        order = torch.argsort(torch.cat(rows))  # [B] back to batch order
-        return torch.cat(logps)[order], (torch.cat(entropy)[order] if with_entropy else None)  # [B, T] each
-
-    @torch.no_grad()
     def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """No-grad log-probs for a whole generation batch, one micro-batch at a time, dropout off."""
-        was_training = model.training
-        model.eval()
-        try:
-            size = self.args.per_device_train_batch_size
-            parts = []
-            for start in range(0, batch["prompt_ids"].size(0), size):
-                part = {k: batch[k][start : start + size] for k in ("prompt_ids", "prompt_mask", "completion_ids")}
-                part["completion_mask"] = batch["completion_mask"][start : start + size]
-                parts.append(self._completion_logps(model, part)[0])
-            return torch.cat(parts)
-        finally:
-            model.train(was_training)
+        """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time."""
+        return logps_in_chunks(model, batch, self.args.per_device_train_batch_size, **self._logprob_kwargs(model))
 
     # ---------------------------------------------------------------------------------------------
     # loss
@@ -708,10 +569,14 @@ class GRPOTrainer(Trainer):
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
 
-        if args.backward_per_group and self._can_share_prefix(model) and self.accelerator.num_processes == 1:
-            loss, loss_metrics, entropy = self._loss_backward_per_group(model, batch)
+        kwargs = self._logprob_kwargs(model)
+        if args.backward_per_group and kwargs["share_prefix"] and self.accelerator.num_processes == 1:
+            del kwargs["share_prefix"]
+            loss, loss_metrics, entropy = backward_per_group(
+                model, batch, lambda logps: self._loss(logps, batch), self._backward_early, **kwargs
+            )
         else:
-            logps, entropy = self._completion_logps(model, batch, with_entropy=True)  # [B, T]
+            logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
             loss, loss_metrics = self._loss(logps, batch)
         mask = batch["completion_mask"]
         metrics = self._metrics["train"]
@@ -745,40 +610,11 @@ class GRPOTrainer(Trainer):
             loss = loss * self.current_gradient_accumulation_steps * self.accelerator.num_processes
         return loss, metrics
 
-    def _loss_backward_per_group(
-        self, model: nn.Module, batch: dict[str, Any]
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
-
-        Every loss type is a sum of per-row terms once advantages and normalisers are fixed (DESIGN.md
-        §5), so the gradient of the full loss with respect to one group's log-probs depends on that
-        group's rows only. For each group: its log-probs (with gradient) go into the full [B, T] tensor,
-        whose other rows hold detached values (log-probs of earlier groups, placeholders for later ones),
-        and the full loss is backpropagated, reaching only this group's graph, which is then freed. Only
-        one group's activations are alive at a time. The last group's loss, whose rows are all real, is
-        returned for `Trainer` to backpropagate; its value and metrics are those of the whole micro-batch.
-        Returns `(loss, metrics, entropy [B, T])`.
-        """
-        completion_ids = batch["completion_ids"]
-        runs = prompt_runs(batch["prompt_ids"], batch["prompt_mask"])
-        # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
-        placeholder = next((batch[k] for k in ("old_logps", "ref_logps") if batch[k] is not None), None)
-        values = (
-            torch.zeros_like(completion_ids, dtype=torch.float32) if placeholder is None else placeholder
-        ).clone()
-        entropy = torch.zeros_like(values)  # [B, T]
-        for k, (start, stop) in enumerate(runs):
-            part = {key: batch[key][start:stop] for key in ("prompt_ids", "prompt_mask", "completion_ids")}
-            part["completion_mask"] = batch["completion_mask"][start:stop]
-            logps, part_entropy = self._shared_prefix_logps(model, part, with_entropy=True)  # [n, T] each
-            logps, entropy[start:stop] = logps.to(values.dtype), part_entropy
-            loss, metrics = self._loss(torch.cat([values[:start], logps, values[stop:]]), batch)  # [B, T]
-            values[start:stop] = logps.detach()
-            if k < len(runs) - 1:
-                with torch.autocast(self.accelerator.device.type, enabled=False):
-                    # Trainer divides the loss it backpropagates by the accumulation steps: so do we.
-                    self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
-        return loss, metrics, entropy
+    def _backward_early(self, loss: torch.Tensor) -> None:
+        """Backpropagate one group's share of the loss (`logprobs.backward_per_group`) as Trainer would."""
+        with torch.autocast(self.accelerator.device.type, enabled=False):
+            # Trainer divides the loss it backpropagates by the accumulation steps: so do we.
+            self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
 
     # ---------------------------------------------------------------------------------------------
     # evaluation

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from conftest import build_tiny_model
-from datasets import Dataset
 from transformers import (
     GenerationConfig,
     RepetitionPenaltyLogitsProcessor,
@@ -12,7 +11,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.rollout import generate, sample_categorical, sample_groups, supports_sample_groups, tokenize_prompts
 
 
@@ -46,48 +44,6 @@ def test_sample_groups_matches_model_generate_when_sampling_is_deterministic(tok
         torch.nn.functional.pad(reference, (0, width - reference.size(1)), value=pad),
     )
     assert sample_groups(model, prompt_ids, prompt_mask, config, [tokenizer.eos_token_id]).size(0) == 6
-
-
-def test_shared_prompt_prefix_logps_equal_the_padded_forward(tmp_path, tokenizer):
-    model = build_tiny_model(tokenizer, seed=2)
-    prompt_ids, prompt_mask, _ = _prompts(tokenizer)
-    torch.manual_seed(0)
-    completion_ids = torch.randint(3, 200, (6, 7))  # [N, T]
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[1, 4:] = 0  # right padding of different lengths
-    completion_mask[4, 2:] = 0
-    batch = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask
-    )
-    results = []
-    for share in (True, False):
-        args = GRPOConfig(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=6,
-            num_generations=3,
-            use_cpu=True,
-            report_to="none",
-            share_prompt_prefix=share,
-            temperature=0.7,
-        )
-        trainer = GRPOTrainer(
-            model,
-            lambda completions, **kw: [0.0] * len(completions),
-            args,
-            train_dataset=Dataset.from_dict({"prompt": ["x"] * 4}),
-            processing_class=tokenizer,
-        )
-        assert trainer._can_share_prefix(model) is share
-        logps, entropy = trainer._completion_logps(model, batch, with_entropy=True)
-        logps.masked_fill(completion_mask == 0, 0).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        results.append((logps.detach() * completion_mask, entropy * completion_mask, grads))
-    (shared, shared_entropy, shared_grads), (full, full_entropy, full_grads) = results
-    torch.testing.assert_close(shared, full, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(shared_entropy, full_entropy, rtol=1e-5, atol=1e-5)
-    for a, b in zip(shared_grads, full_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_sample_groups_uses_the_models_generation_config_defaults(tokenizer):

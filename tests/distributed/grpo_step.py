@@ -17,27 +17,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 
 from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
-import grpo_hf.trainer as trainer_module  # noqa: E402
 from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo_hf.rollout import completion_mask  # noqa: E402
+from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
 
 GLOBAL_BATCH, G, T = 8, 8, 6
 
 
-def fixed_generate(model, prompt_ids, prompt_mask, generation_config, eos_token_ids):
-    B = prompt_ids.size(0)
-    rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
-    completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
-    eos_at = 1 + rows % T  # [B] varying lengths; rows with eos_at == T are truncated
-    for i, k in enumerate(eos_at.tolist()):
-        if k < T:
-            completion_ids[i, k] = eos_token_ids[0]
-    mask, truncated = completion_mask(completion_ids, eos_token_ids)
-    return completion_ids.to(prompt_ids.device), mask.to(prompt_ids.device), truncated.to(prompt_ids.device)
+class FixedEngine(RolloutEngine):
+    """Deterministic completions of varying lengths (some truncated), whatever the model: runs compare exactly."""
+
+    def sample(self, model, prompt_ids, prompt_mask):
+        B = prompt_ids.size(0)
+        rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
+        completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
+        eos_at = 1 + rows % T  # [B] varying lengths; rows with eos_at == T are truncated
+        for i, k in enumerate(eos_at.tolist()):
+            if k < T:
+                completion_ids[i, k] = self.eos_token_ids[0]
+        return completion_ids.to(prompt_ids.device)
 
 
 def main(out_path: str, loss_type: str) -> None:
-    trainer_module.generate = fixed_generate
+    register_engine("fixed", FixedEngine)
     # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
     # the process count comes from torchrun's environment here.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -65,6 +66,7 @@ def main(out_path: str, loss_type: str) -> None:
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
+        rollout_engine="fixed",
     )
     trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()

@@ -1,0 +1,248 @@
+"""Model -> log-probabilities of completion tokens: the forwards behind the GRPO loss.
+
+Functions of `(model, batch, ...)`, testable without a trainer. A batch holds `prompt_ids`,
+`prompt_mask` [B, P] (left-padded) and `completion_ids`, `completion_mask` [B, T].
+
+The tricks, each exact (same maths as one padded forward, float rounding aside):
+
+- **Shared prompt prefix** (`shared_prefix_logits`): each group's prompt goes through the decoder
+  once; its G completions attend to its cached keys/values. No compute on repeated prompts.
+- **Length buckets** (`length_buckets`): a group's completions are split by length into at most two
+  buckets, each cut to its longest completion. Little compute on padding.
+- **LM head only where needed** and **chunked log-softmax** (`core.selective_log_softmax`): logits
+  only at the positions that predict completion tokens, upcast per chunk, never a full fp32 copy.
+- **Per-group backward** (`backward_per_group`): the loss is a sum of per-row terms once advantages
+  and normalisers are fixed, so its gradient can be accumulated one group at a time; only one group's
+  activations are alive at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from grpo_hf.core import entropy_from_logits, selective_log_softmax
+from grpo_hf.rollout.prompts import prompt_runs
+
+Batch = dict[str, Any]
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but keep grpo_hf importable without it
+        return False
+    return isinstance(model, PeftModel)
+
+
+# Config attributes of models whose forward transforms the LM head's output (softcapping, scaling):
+# `shared_prefix_logits` applies the LM head itself, so it leaves these models to their own forward.
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
+
+
+def supports_shared_prefix(model: nn.Module) -> bool:
+    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention."""
+    if is_peft_model(model):
+        if model.active_peft_config.is_prompt_learning:  # virtual tokens are added by PeftModel.forward
+            return False
+        model = model.get_base_model()
+    config = getattr(model, "config", None)
+    if config is None or config.is_encoder_decoder or config.get_text_config() is not config:
+        return False
+    if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
+        return False
+    if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS):
+        return False
+    try:
+        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    except Exception:  # a config the cache classes do not understand
+        return False
+
+
+def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch.Tensor]:
+    """Split rows with these completion lengths [n] into at most two buckets, to cut padding.
+
+    Each bucket is computed at its own longest length. Sorted by length, the split point that leaves
+    the fewest padded positions is taken if it saves at least `min_saving` of the positions of one
+    bucket (a second bucket costs one more decoder call). Returns the row indices of each bucket.
+    """
+    order = torch.argsort(lengths, stable=True)  # [n] shortest first
+    sorted_lengths = lengths[order].tolist()
+    n, longest = len(sorted_lengths), sorted_lengths[-1]
+    best_cost, best_split = n * longest, n
+    for k in range(1, n):  # rows order[:k] in the short bucket, at length sorted_lengths[k - 1]
+        cost = k * sorted_lengths[k - 1] + (n - k) * longest
+        if cost < best_cost:
+            best_cost, best_split = cost, k
+    if best_cost > (1 - min_saving) * n * longest:
+        return [order]
+    return [order[:best_split], order[best_split:]]
+
+
+def shared_prefix_logits(model: nn.Module, batch: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
+
+    For each run of identical prompt rows (a group, `prompt_runs`), the prompt's p real tokens (no
+    padding) go through the decoder as one row. Its rows are split by completion length
+    (`length_buckets`); each bucket's completions, cut to the bucket's longest (t tokens), go through
+    the decoder on top of the prompt's KV cache, repeated to the bucket's n rows, at positions p, p + 1,
+    ... The hidden states predicting completion token k are the prompt's last one (k = 0) and
+    completion token k - 1's; the LM head maps them to logits. These are the numbers of the padded full
+    forward (same positions, causal attention over the prompt and earlier completion tokens; the padding
+    after EOS is never attended to by a real token), float rounding aside. Gradients reach the prompt's
+    forward through the cache and its last hidden state. The prompt runs once per group, so with
+    dropout on, the group shares its dropout mask.
+    """
+    base = model.get_base_model() if is_peft_model(model) else model  # PEFT layers live inside the base model
+    decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    P = prompt_ids.size(1)
+    lengths = completion_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs
+    for start, stop in prompt_runs(prompt_ids, prompt_mask):
+        p = int(prompt_mask[start].sum())
+        prompt = decoder(input_ids=prompt_ids[start : start + 1, P - p :], use_cache=True)  # [1, p, H]
+        prompt_kv = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]  # [1, heads, p, d]
+        last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
+        for bucket in length_buckets(lengths[start:stop]):
+            rows = bucket + start  # [n] rows of the batch
+            n, t = rows.numel(), int(lengths[rows].max())
+            hidden = last_hidden.expand(n, 1, -1)  # [n, 1, H]
+            if t > 1:
+                cache = DynamicCache(config=base.config)
+                for layer, (keys, values) in enumerate(prompt_kv):
+                    cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
+                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1)  # [n, t - 1]
+                completion = decoder(
+                    input_ids=completion_ids[rows, : t - 1], position_ids=positions, past_key_values=cache
+                ).last_hidden_state  # [n, t - 1, H]
+                hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
+            yield rows, lm_head(hidden)  # [n, t, V]
+
+
+def padded_logps(
+    model: nn.Module, batch: Batch, *, temperature: float = 1.0, chunk_size: int | None = None, with_entropy=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
+
+    Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included. The LM head runs only on the
+    T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`.
+    """
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
+    T = completion_ids.size(1)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=T + 1,
+        use_cache=False,
+    ).logits[:, :-1, :]  # [B, T, V]
+    return _logps_and_entropy(logits, completion_ids, temperature, chunk_size, with_entropy)
+
+
+def shared_prefix_logps(
+    model: nn.Module, batch: Batch, *, temperature: float = 1.0, chunk_size: int | None = None, with_entropy=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
+    bucket get 0. Needs the bare model (`supports_shared_prefix`)."""
+    completion_ids = batch["completion_ids"]
+    T = completion_ids.size(1)
+    rows, logps, entropy = [], [], []
+    for bucket, logits in shared_prefix_logits(model, batch):  # logits [n, t, V], t <= T
+        t = logits.size(1)
+        rows.append(bucket)
+        part_logps, part_entropy = _logps_and_entropy(
+            logits, completion_ids[bucket, :t], temperature, chunk_size, with_entropy
+        )  # [n, t] each
+        logps.append(nn.functional.pad(part_logps, (0, T - t)))  # [n, T]
+        if with_entropy:
+            entropy.append(nn.functional.pad(part_entropy, (0, T - t)))
+    order = torch.argsort(torch.cat(rows))  # [B] back to batch order
+    return torch.cat(logps)[order], (torch.cat(entropy)[order] if with_entropy else None)  # [B, T] each
+
+
+def _logps_and_entropy(
+    logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float, chunk_size: int | None, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the sampled distribution: logits [n, t, V] at `temperature`, in row chunks."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = selective_log_softmax(logits, completion_ids, chunk_size=chunk_size)  # [n, t]
+    entropy = entropy_from_logits(logits.detach(), chunk_size=chunk_size) if with_entropy else None  # [n, t]
+    return logps, entropy
+
+
+def completion_logps(
+    model: nn.Module, batch: Batch, *, share_prefix: bool, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T] (and entropy) by `shared_prefix_logps` when `share_prefix`, else `padded_logps`."""
+    return (shared_prefix_logps if share_prefix else padded_logps)(model, batch, **kwargs)
+
+
+@torch.no_grad()
+def logps_in_chunks(model: nn.Module, batch: Batch, micro_batch_size: int, *, share_prefix: bool, **kwargs):
+    """No-grad log-probs [B, T] for a whole generation batch, `micro_batch_size` rows at a time, dropout off."""
+    was_training = model.training
+    model.eval()
+    try:
+        parts = []
+        for start in range(0, batch["prompt_ids"].size(0), micro_batch_size):
+            part = {k: batch[k][start : start + micro_batch_size] for k in _INPUT_KEYS}
+            parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs)[0])
+        return torch.cat(parts)
+    finally:
+        model.train(was_training)
+
+
+_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
+def backward_per_group(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    backward_fn: Callable[[torch.Tensor], None],
+    **kwargs,
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
+
+    `loss_fn(logps [B, T]) -> (loss, metrics)` is the loss of the whole micro-batch. Every GRPO loss is a
+    sum of per-row terms once advantages and normalisers are fixed (DESIGN.md §5), so its gradient with
+    respect to one group's log-probs depends on that group's rows only. For each group: its log-probs
+    (with gradient) go into the full [B, T] tensor, whose other rows hold detached values (log-probs of
+    earlier groups, placeholders for later ones), and `backward_fn(loss)` backpropagates the full loss,
+    reaching only this group's graph, which is then freed. The last group's loss, whose rows are all
+    real, is returned for the caller to backpropagate; its value and metrics are those of the whole
+    micro-batch. `kwargs` go to `shared_prefix_logps`. Returns `(loss, metrics, entropy [B, T])`.
+    """
+    runs = prompt_runs(batch["prompt_ids"], batch["prompt_mask"])
+    # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
+    placeholder = next((batch[k] for k in ("old_logps", "ref_logps") if batch.get(k) is not None), None)
+    if placeholder is None:
+        placeholder = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+    values = placeholder.clone()  # [B, T]
+    entropy = torch.zeros_like(values)  # [B, T]
+    for k, (start, stop) in enumerate(runs):
+        part = {key: batch[key][start:stop] for key in _INPUT_KEYS}
+        logps, entropy[start:stop] = shared_prefix_logps(model, part, with_entropy=True, **kwargs)  # [n, T] each
+        logps = logps.to(values.dtype)
+        loss, metrics = loss_fn(torch.cat([values[:start], logps, values[stop:]]))  # [B, T]
+        values[start:stop] = logps.detach()
+        if k < len(runs) - 1:
+            backward_fn(loss)
+    return loss, metrics, entropy

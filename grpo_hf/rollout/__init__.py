@@ -1,0 +1,83 @@
+"""Rollouts: prompts -> groups of sampled completions, with masks and truncation flags.
+
+- `prompts`: `RepeatSampler` (a prompt's G copies together), prompt tokenisation, completion masks,
+  prompt runs (the groups inside a batch).
+- `engine`: the `RolloutEngine` interface, the registry of engines by name and the `"auto"` choice.
+- `sampling`: the logits processors `model.generate` applies and an exact categorical draw, shared by
+  grpo_hf's own decoders.
+- engines, each in its own module, imported when chosen: `loop` (the CPU decoding loop),
+  `hf_generate` (`model.generate`, optionally with a static compiled cache), `cuda_graph` (a static
+  KV cache and a decode step captured as one CUDA graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from grpo_hf.rollout.engine import ENGINES, Completions, RolloutEngine, engine_class, make_engine, register_engine
+from grpo_hf.rollout.prompts import (
+    RepeatSampler,
+    completion_mask,
+    eos_token_ids_of,
+    is_conversational,
+    prompt_runs,
+    prompt_text,
+    tokenize_prompts,
+)
+from grpo_hf.rollout.sampling import (
+    logits_processors,
+    resolve_sampling_settings,
+    sample_categorical,
+    supports_sample_groups,
+    unsupported_reason,
+)
+
+__all__ = [
+    "ENGINES",
+    "Completions",
+    "RepeatSampler",
+    "RolloutEngine",
+    "completion_mask",
+    "engine_class",
+    "eos_token_ids_of",
+    "generate",
+    "is_conversational",
+    "logits_processors",
+    "make_engine",
+    "prompt_runs",
+    "prompt_text",
+    "register_engine",
+    "resolve_sampling_settings",
+    "sample_categorical",
+    "sample_groups",
+    "supports_sample_groups",
+    "tokenize_prompts",
+    "unsupported_reason",
+]
+
+
+def __getattr__(name: str):
+    if name == "sample_groups":  # the loop's function, without importing the loop module up front
+        from grpo_hf.rollout.loop import sample_groups
+
+        return sample_groups
+    raise AttributeError(f"module 'grpo_hf.rollout' has no attribute {name!r}")
+
+
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generation_config,
+    eos_token_ids: Sequence[int],
+    *,
+    use_model_generate: bool = False,
+) -> Completions:
+    """One-call sampling: the `loop` engine where it applies (and `use_model_generate` is False), else `generate`.
+
+    Returns `completion_ids [N, T]`, `completion_mask [N, T]` and `is_truncated [N]`.
+    """
+    engine, _ = make_engine("generate" if use_model_generate else "loop", model, generation_config, eos_token_ids)
+    return engine.generate(model, prompt_ids, prompt_mask)

@@ -1,0 +1,147 @@
+"""Rollout engines: one interface, a registry by name, and the `"auto"` choice.
+
+An engine turns prompt rows into sampled completions::
+
+    engine = make_engine("auto", model, generation_config, eos_token_ids)   # -> (engine, why)
+    completion_ids, completion_mask, is_truncated = engine.generate(model, prompt_ids, prompt_mask)
+    engine.on_weights_updated(model)      # after each optimizer step (engines that keep state)
+
+Engines live in their own modules and are imported only when chosen (`ENGINES` maps a name to
+"module:Class"; `register_engine` adds one). Each engine says why it does not apply to a model and
+settings (`unsupported_reason`); `"auto"` walks a chain of engines and takes the first that applies:
+
+- on CUDA: `cuda_graph` -> `generate_static` (`model.generate` with a static, compiled cache) -> `loop`
+  -> `generate`;
+- elsewhere: `loop` -> `generate`.
+
+A named engine that does not apply falls back along the same chain from its own position, and the line
+`make_engine` returns says so. `generate` (plain `model.generate`) applies to every model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from grpo_hf.rollout.prompts import completion_mask
+
+
+class Completions(NamedTuple):
+    completion_ids: torch.Tensor  # [N, T] pad after the first EOS
+    completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including the first EOS
+    is_truncated: torch.Tensor  # [N] bool: no EOS within max_new_tokens
+
+
+class RolloutEngine:
+    """Samples one completion per prompt row. Subclasses implement `sample` (and may `unsupported_reason`).
+
+    `generate` puts the model in eval mode for the call, builds the completion mask and pads after EOS,
+    so every engine returns the same thing for the same tokens.
+    """
+
+    name = "base"
+
+    def __init__(self, generation_config, eos_token_ids: Sequence[int]):
+        self.generation_config = generation_config
+        self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    def unsupported_reason(cls, model, generation_config) -> str | None:
+        """Why this engine cannot sample what `model.generate` would for this model and settings; None if it can."""
+        return None
+
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Token ids [N, T] sampled after each left-padded prompt row [N, P] (T <= max_new_tokens)."""
+        raise NotImplementedError
+
+    def on_weights_updated(self, model) -> None:
+        """Called after every optimizer step; engines holding a copy of the weights refresh it here."""
+
+    @torch.no_grad()
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        was_training = model.training
+        model.eval()
+        try:
+            completion_ids = self.sample(model, prompt_ids, prompt_mask)  # [N, T]
+        finally:
+            model.train(was_training)
+        pad = self.generation_config.pad_token_id
+        if completion_ids.size(1) == 0:  # the model produced nothing at all
+            N, device = prompt_ids.size(0), prompt_ids.device
+            completion_ids = torch.full((N, 1), pad, dtype=torch.long, device=device)
+            return Completions(
+                completion_ids, torch.zeros_like(completion_ids), torch.ones(N, dtype=torch.bool, device=device)
+            )
+        mask, is_truncated = completion_mask(completion_ids, self.eos_token_ids)
+        return Completions(completion_ids.masked_fill(mask == 0, pad), mask, is_truncated)
+
+
+ENGINES: dict[str, str | type[RolloutEngine]] = {
+    "loop": "grpo_hf.rollout.loop:LoopEngine",
+    "generate": "grpo_hf.rollout.hf_generate:GenerateEngine",
+    "generate_static": "grpo_hf.rollout.hf_generate:StaticGenerateEngine",
+    "cuda_graph": "grpo_hf.rollout.cuda_graph:CUDAGraphEngine",
+}
+_CHAINS = {"cuda": ["cuda_graph", "generate_static", "loop", "generate"], "other": ["loop", "generate"]}
+
+
+def register_engine(name: str, engine: str | type[RolloutEngine]) -> None:
+    """Make `rollout_engine=name` use `engine` (a `RolloutEngine` subclass or its "module:Class" path)."""
+    ENGINES[name] = engine
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class registered as `name`, imported on first use."""
+    if name not in ENGINES:
+        raise ValueError(f"Unknown rollout engine {name!r}; known: {['auto', *ENGINES]}.")
+    engine = ENGINES[name]
+    if isinstance(engine, str):
+        module, _, attr = engine.partition(":")
+        engine = ENGINES[name] = getattr(importlib.import_module(module), attr)
+    return engine
+
+
+def make_engine(
+    name: str,
+    model,
+    generation_config,
+    eos_token_ids: Sequence[int],
+    *,
+    sharded: bool = False,
+    device: torch.device | None = None,
+    **options,
+) -> tuple[RolloutEngine, str]:
+    """The engine to use, and one line saying which and why (for the log).
+
+    `sharded=True` (FSDP, DeepSpeed ZeRO-3: parameters are gathered per call) rules out engines that keep
+    references to the weights between calls (`cuda_graph`). `options` go to the chosen engine's constructor
+    when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    chain = _CHAINS["cuda" if device.type == "cuda" else "other"]
+    if name == "auto":
+        candidates = chain
+    elif name in chain:
+        candidates = chain[chain.index(name) :]
+    else:
+        candidates = [name]
+    skipped = []
+    for candidate in candidates:
+        cls = engine_class(candidate)
+        reason = cls.unsupported_reason(model, generation_config)
+        if reason is None and sharded and candidate == "cuda_graph":
+            reason = "the weights are sharded (FSDP / ZeRO-3) and gathered per call"
+        if reason is None:
+            accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
+            engine = cls(generation_config, eos_token_ids, **accepted)
+            why = f"rollout engine: {candidate}" + (f" (requested {name})" if name != candidate else "")
+            if skipped:
+                why += "; skipped " + "; ".join(skipped)
+            return engine, why
+        skipped.append(f"{candidate}: {reason}")
+    raise ValueError(
+        f"rollout_engine={name!r} applies to neither this model nor these settings: {'; '.join(skipped)}."
+    )

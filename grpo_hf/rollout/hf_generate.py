@@ -1,0 +1,76 @@
+"""The `generate` and `generate_static` engines: `model.generate`, for every model and setting.
+
+`generate` calls `model.generate` with the trainer's generation config as it is (a user's
+`cache_implementation` included). `generate_static` asks for a static KV cache, which transformers
+compiles the decode step for on CUDA (about 4x faster than the dynamic cache for small models, after a
+one-time compile). Both build the static cache themselves (`static_cache`): transformers' own allocates
+the values in the keys' dtype, which fails under autocast with fp32 weights, where rotary embeddings
+leave the keys fp32 and the values bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from grpo_hf.rollout.engine import RolloutEngine
+
+
+class _OwnValueDtypeLayer(StaticLayer):
+    """A `StaticLayer` whose values buffer takes the values' dtype, not the keys'."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.values.dtype != value_states.dtype:
+            self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.values)
+
+
+def static_cache(config, max_cache_len: int) -> StaticCache:
+    """transformers' `StaticCache` for `config`, whose full-attention layers keep keys and values in their own
+    dtypes (sliding-window layers are left as transformers makes them)."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [
+        _OwnValueDtypeLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+class GenerateEngine(RolloutEngine):
+    """`model.generate` with the trainer's generation config."""
+
+    name = "generate"
+    cache_implementation: str | None = None  # None: the generation config's own
+
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        config = self.generation_config
+        kwargs = {}
+        if (self.cache_implementation or config.cache_implementation) == "static":
+            config = copy.copy(config)
+            config.cache_implementation = None
+            max_len = prompt_ids.size(1) + config.max_new_tokens
+            kwargs["past_key_values"] = static_cache(model.config, max_len)
+        output = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
+        )  # [N, P + T]
+        return output[:, prompt_ids.size(1) :]  # [N, T]
+
+
+class StaticGenerateEngine(GenerateEngine):
+    """`model.generate` with a static KV cache: transformers compiles its decode step on CUDA."""
+
+    name = "generate_static"
+    cache_implementation = "static"
+
+    @classmethod
+    def unsupported_reason(cls, model, generation_config) -> str | None:
+        if not getattr(model, "_can_compile_fullgraph", False):
+            return f"{type(model).__name__} does not support a static, compiled cache"
+        if getattr(generation_config, "max_new_tokens", None) is None:
+            return "max_new_tokens is not set"
+        return None

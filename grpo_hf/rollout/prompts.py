@@ -1,0 +1,175 @@
+"""Prompts and groups: the sampler that keeps a prompt's G copies together, tokenisation, masks.
+
+- `RepeatSampler` orders dataset indices so every prompt's G copies are consecutive and every
+  generation batch is served to `repeat_count` training micro-steps.
+- `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
+  and encodes each distinct prompt once (a group's G copies share one encoding).
+- `completion_mask` marks completion tokens up to and including the first EOS (DESIGN.md §5, `m`).
+- `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class RepeatSampler(Sampler[int]):
+    """Dataset indices for GRPO: whole groups, each generation batch repeated.
+
+    With `num_generations=2`, `prompts_per_batch=3`, `repeat_count=2` and a dataset of 7 prompts
+    `[a b c d e f g]` shuffled to `[e c g a b f d]`, it yields::
+
+        e e c c g g  e e c c g g   <- generation batch 1, served to 2 micro-steps
+        a a b b f f  a a b b f f   <- generation batch 2
+                                      (d: too few prompts left for a batch, dropped)
+
+    Prompts are shuffled under `seed`, with a new order on every pass over the data (deterministic:
+    pass k uses seed + k); the copies inside a group never are. `accelerate` then hands each
+    process its contiguous share of each batch, so a group may straddle processes; the trainer
+    gathers rewards before normalising.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        num_generations: int,
+        prompts_per_batch: int,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        if num_prompts < prompts_per_batch:
+            raise ValueError(
+                f"The dataset has {num_prompts} prompts but one generation batch needs {prompts_per_batch} "
+                "(generation_batch_size / num_generations). Use a larger dataset or a smaller batch."
+            )
+        self.num_prompts = num_prompts
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_passes = 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.num_passes)
+            order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        else:
+            order = list(range(self.num_prompts))
+        self.num_passes += 1
+        num_batches = self.num_prompts // self.prompts_per_batch
+        for b in range(num_batches):
+            prompts = order[b * self.prompts_per_batch : (b + 1) * self.prompts_per_batch]
+            batch = [index for index in prompts for _ in range(self.num_generations)]
+            for _ in range(self.repeat_count):
+                yield from batch
+
+    def __len__(self) -> int:
+        num_batches = self.num_prompts // self.prompts_per_batch
+        return num_batches * self.prompts_per_batch * self.num_generations * self.repeat_count
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt is conversational when it is a list of `{"role", "content"}` messages."""
+    return isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def prompt_text(tokenizer, prompt: str | list[dict], chat_template_kwargs: dict | None = None) -> str:
+    """The text the model sees: the chat template with a generation prompt, or the string itself."""
+    if is_conversational(prompt):
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+    if isinstance(prompt, str):
+        return prompt
+    raise TypeError(
+        f"A prompt must be a string or a list of chat messages with 'role' and 'content'; got {type(prompt).__name__}."
+    )
+
+
+def tokenize_prompts(
+    tokenizer,
+    prompts: Sequence[str | list[dict]],
+    max_prompt_length: int | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode prompts once per run of identical consecutive prompts (a group), left-pad and left-truncate.
+
+    Returns `prompt_ids [N, P]`, `prompt_mask [N, P]` and `is_prompt_truncated [N]` (bool).
+    Special tokens are not added again: chat templates already contain them.
+    """
+    # Runs of identical consecutive prompts: a group's G copies are encoded once.
+    starts = [i for i in range(len(prompts)) if i == 0 or prompts[i] != prompts[i - 1]]
+    counts = [b - a for a, b in zip(starts, starts[1:] + [len(prompts)], strict=True)]
+    texts = [prompt_text(tokenizer, prompts[i], chat_template_kwargs) for i in starts]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    truncated = []
+    for k, ids in enumerate(encoded):
+        too_long = max_prompt_length is not None and len(ids) > max_prompt_length
+        truncated.append(too_long)
+        if too_long:
+            encoded[k] = ids[-max_prompt_length:]  # keep the end: it holds the question and generation prompt
+    if any(len(ids) == 0 for ids in encoded):
+        raise ValueError("A prompt encodes to zero tokens; remove empty prompts from the dataset.")
+
+    width = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id
+    unique_ids = torch.full((len(encoded), width), pad, dtype=torch.long)  # [U, P]
+    unique_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [U, P]
+    for k, ids in enumerate(encoded):
+        unique_ids[k, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        unique_mask[k, width - len(ids) :] = 1
+    repeats = torch.tensor(counts)
+    prompt_ids = unique_ids.repeat_interleave(repeats, dim=0)  # [N, P]
+    prompt_mask = unique_mask.repeat_interleave(repeats, dim=0)  # [N, P]
+    is_prompt_truncated = torch.tensor(truncated).repeat_interleave(repeats)  # [N]
+    return prompt_ids, prompt_mask, is_prompt_truncated
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of real completion tokens, up to and including the first EOS, and the truncation flags.
+
+    Returns `completion_mask [N, T]` (long, 1 = real token) and `is_truncated [N]` (bool: no EOS
+    within the completion, i.e. it hit max_completion_length).
+    """
+    eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))  # [N, T]
+    T = completion_ids.size(1)
+    has_eos = eos.any(dim=1)  # [N]
+    first_eos = torch.where(has_eos, eos.int().argmax(dim=1), torch.full_like(has_eos, T, dtype=torch.long))  # [N]
+    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # [1, T]
+    mask = (positions <= first_eos.unsqueeze(1)).long()  # [N, T]
+    return mask, ~has_eos
+
+
+def eos_token_ids_of(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the generation config's EOS ids plus the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token.")
+    return sorted(ids)
+
+
+def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """`(start, stop)` of every run of identical consecutive rows of `prompt_ids`/`prompt_mask` [N, P].
+
+    A group's G copies of one prompt are such a run (`RepeatSampler` keeps them together); a group
+    split across processes or micro-batches gives one run per piece.
+    """
+    if prompt_ids.size(0) == 0:
+        return []
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)  # [N-1]
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
+    return list(zip(starts, [*starts[1:], prompt_ids.size(0)], strict=True))

@@ -1,0 +1,134 @@
+"""Sampling settings shared by the decoding engines: the logits processors `model.generate` applies, in
+its order, the settings an engine must resolve as `generate` does, and an exact categorical draw.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.cache_utils import DynamicLayer
+
+# Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
+# model's `generation_config` sets one (transformers' global defaults).
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+# Other settings that may be present: they change nothing in how tokens are drawn.
+_NEUTRAL_SETTINGS = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "do_sample",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "output_logits",
+        "return_dict_in_generate",
+        "transformers_version",
+        "_from_model_config",
+    }
+)
+
+
+def unsupported_reason(model, generation_config) -> str | None:
+    """Why grpo_hf's own decoders (`loop`, `cuda_graph`) would not draw what `model.generate` draws, or None.
+
+    They need sampling (`do_sample=True`), `max_new_tokens` and a pad token; neither the config nor the
+    model's own `generation_config` (whose values `generate` uses where the config has none) may set
+    anything but the sampling settings of `_SAMPLING_DEFAULTS` and the neutral ones; and the model must
+    be decoder-only with a KV cache of plain full-attention layers (no sliding window, no linear attention).
+    """
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return "the model is not a decoder-only causal LM"
+    if not generation_config.do_sample:
+        return "do_sample=False"
+    if generation_config.max_new_tokens is None:
+        return "max_new_tokens is not set"
+    if generation_config.pad_token_id is None:
+        return "there is no pad token"
+    allowed = _NEUTRAL_SETTINGS | set(_SAMPLING_DEFAULTS)
+    for where, settings in (("generation settings", generation_config), ("model's generation_config", None)):
+        settings = settings if settings is not None else getattr(model, "generation_config", None)
+        extra = sorted(set(settings.to_diff_dict()) - allowed) if settings is not None else []
+        if extra:
+            return f"the {where} set {', '.join(extra)}, which only model.generate implements"
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config the cache classes do not understand: leave it to `generate`
+        return f"transformers builds no plain KV cache for {type(config).__name__}"
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return "the model has sliding-window or linear-attention layers"
+    return None
+
+
+def supports_sample_groups(model, generation_config) -> bool:
+    """Whether `sample_groups` draws what `model.generate` would for this model and config."""
+    return unsupported_reason(model, generation_config) is None
+
+
+def resolve_sampling_settings(model, generation_config):
+    """A copy of `generation_config` whose unset sampling settings hold the values `generate` would use.
+
+    An unset (None) setting takes the model's `generation_config` value, else transformers' default
+    (`_SAMPLING_DEFAULTS`, e.g. top_k=50), as `GenerationMixin._prepare_generation_config` does.
+    """
+    resolved = copy.deepcopy(generation_config)
+    model_settings = getattr(model, "generation_config", None)
+    for name, default in _SAMPLING_DEFAULTS.items():
+        if getattr(resolved, name, None) is None:
+            value = getattr(model_settings, name, None) if model_settings is not None else None
+            setattr(resolved, name, default if value is None else value)
+    return resolved
+
+
+def logits_processors(generation_config, prompt_mask: torch.Tensor) -> LogitsProcessorList:
+    """The processors `model.generate` applies for these sampling settings, in its order.
+
+    Repetition penalty first (the prompt's left padding excluded, as in `generate`), then temperature,
+    top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
+    """
+    processors = LogitsProcessorList()
+    config = generation_config
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, padding_lengths))
+    if config.temperature is not None and config.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    if config.min_p is not None:
+        processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+    return processors
+
+
+def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """One index per row of `probs` [N, V], drawn with probability `probs[i, v] / probs[i].sum()`.
+
+    Inverse transform sampling: the first v whose cumulative probability exceeds u * total, with u
+    uniform in [0, 1) (`uniform` [N, 1], drawn here when None). The cumulative sum is taken in float64
+    (float32 where the device has no float64), so a token's interval has its probability's width to
+    ~1e-16. A zero-probability token is never drawn: its interval is empty, and rounding at the very
+    top is sent to the last token with p > 0. Returns `[N]` (long).
+    """
+    dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+    cdf = probs.to(dtype).cumsum(dim=-1)  # [N, V]
+    if uniform is None:
+        uniform = torch.rand((probs.size(0), 1), dtype=dtype, device=probs.device)
+    index = torch.searchsorted(cdf, uniform.to(dtype) * cdf[:, -1:], right=True).squeeze(1)  # [N]
+    last_positive = probs.size(-1) - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]
+    return torch.minimum(index, last_positive)

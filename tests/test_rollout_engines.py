@@ -1,0 +1,127 @@
+"""Rollout engines: the registry, `"auto"`'s choices and fallbacks, and the `generate` engines."""
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from datasets import Dataset
+from transformers import GenerationConfig
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.rollout import ENGINES, RolloutEngine, engine_class, make_engine, register_engine, tokenize_prompts
+from grpo_hf.rollout.hf_generate import GenerateEngine, StaticGenerateEngine
+from grpo_hf.rollout.loop import LoopEngine
+
+
+def _config(tokenizer, **overrides):
+    settings = dict(max_new_tokens=6, do_sample=True, pad_token_id=tokenizer.pad_token_id, top_k=0)
+    return GenerationConfig(**{**settings, **overrides})
+
+
+def _prompts(tokenizer):
+    return tokenize_prompts(tokenizer, ["Hi"] * 2 + ["A longer prompt here"] * 2)[:2]
+
+
+def test_engines_are_imported_lazily_and_unknown_names_list_the_known_ones():
+    assert isinstance(ENGINES["cuda_graph"], str) or issubclass(ENGINES["cuda_graph"], RolloutEngine)
+    assert engine_class("loop") is LoopEngine
+    with pytest.raises(ValueError, match="Unknown rollout engine 'vllm'.*'loop'"):
+        engine_class("vllm")
+
+
+@pytest.mark.parametrize(
+    ("device", "overrides", "sharded", "expected"),
+    [
+        ("cpu", {}, False, "loop"),
+        ("cpu", {"no_repeat_ngram_size": 2}, False, "generate"),  # a setting only generate implements
+        ("cuda", {}, False, "cuda_graph"),
+        ("cuda", {}, True, "generate_static"),  # sharded weights are gathered per call: no captured graph
+        ("cuda", {"no_repeat_ngram_size": 2}, False, "generate_static"),
+    ],
+)
+def test_auto_picks_the_first_engine_that_applies(tokenizer, device, overrides, sharded, expected):
+    model = build_tiny_model(tokenizer)
+    engine, why = make_engine(
+        "auto", model, _config(tokenizer, **overrides), [tokenizer.eos_token_id], sharded=sharded, device=device
+    )
+    assert engine.name == expected
+    assert why.startswith(f"rollout engine: {expected} (requested auto)")
+    if expected != ("cuda_graph" if device == "cuda" else "loop"):
+        assert "skipped" in why  # the log line says why the faster engines were passed over
+
+
+def test_a_named_engine_that_does_not_apply_falls_back_and_says_why(tokenizer):
+    model = build_tiny_model(tokenizer)
+    engine, why = make_engine("loop", model, _config(tokenizer, no_repeat_ngram_size=2), [tokenizer.eos_token_id])
+    assert isinstance(engine, GenerateEngine)
+    assert "loop: the generation settings set no_repeat_ngram_size" in why
+
+
+def test_generate_static_needs_a_model_that_compiles(tokenizer):
+    model = build_tiny_model(tokenizer)
+    assert StaticGenerateEngine.unsupported_reason(model, _config(tokenizer)) is None
+    model._can_compile_fullgraph = False
+    assert "static" in StaticGenerateEngine.unsupported_reason(model, _config(tokenizer))
+
+
+@pytest.mark.parametrize("engine_name", ["generate", "generate_static"])
+def test_static_cache_generation_under_autocast_with_fp32_weights(tokenizer, engine_name):
+    """fp32 weights under bf16 autocast: keys stay fp32 (rotary), values are bf16; the static cache holds both."""
+    model = build_tiny_model(tokenizer)
+    prompt_ids, prompt_mask = _prompts(tokenizer)
+    config = _config(tokenizer, top_k=1, cache_implementation="static" if engine_name == "generate" else None)
+    engine, _ = make_engine(engine_name, model, config, [tokenizer.eos_token_id])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
+        reference = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=_config(tokenizer, top_k=1)
+        )[:, prompt_ids.size(1) :]  # dynamic cache, the same autocast
+    assert ids.shape == (4, 6) and mask.sum() > 0
+    torch.testing.assert_close(ids * mask, reference[:, : ids.size(1)] * mask)
+
+
+def test_a_registered_engine_is_used_by_the_trainer_and_told_of_every_optimizer_step(tmp_path, tokenizer):
+    class Recording(RolloutEngine):
+        instances = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.updates = 0
+            Recording.instances.append(self)
+
+        def sample(self, model, prompt_ids, prompt_mask):
+            return torch.full((prompt_ids.size(0), 3), 70, dtype=torch.long)
+
+        def on_weights_updated(self, model):
+            self.updates += 1
+
+    register_engine("recording", Recording)
+    try:
+        args = GRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=3,
+            max_steps=3,
+            rollout_engine="recording",
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+        )
+        dataset = Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})
+        reward = lambda completion_ids, **kw: [float(i) for i in range(len(completion_ids))]  # noqa: E731
+        trainer = GRPOTrainer(
+            build_tiny_model(tokenizer), reward, args, train_dataset=dataset, processing_class=tokenizer
+        )
+        trainer.train()
+    finally:
+        del ENGINES["recording"]
+    (engine,) = Recording.instances
+    assert trainer.rollout is engine and trainer.num_generate_calls == 3 and engine.updates == 3
+
+
+def test_config_checks_the_engine_name_and_the_old_alias(tmp_path):
+    with pytest.raises(ValueError, match="rollout_engine='vllm' is not one of"):
+        GRPOConfig(output_dir=str(tmp_path), rollout_engine="vllm", use_cpu=True)
+    assert GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, use_cpu=True).rollout_engine == "generate"
+    with pytest.raises(ValueError, match="Keep only rollout_engine"):
+        GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, rollout_engine="loop", use_cpu=True)
