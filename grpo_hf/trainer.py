@@ -44,6 +44,7 @@ from grpo_hf.logprobs import (
     supports_shared_prefix,
 )
 from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.precision import PrecisionGuard
 from grpo_hf.rewards import REWARD_FUNCS, compute_rewards, get_reward_funcs, reward_func_name
 from grpo_hf.rollout import (
     RepeatSampler,
@@ -264,6 +265,7 @@ class GRPOTrainer(Trainer):
         self._num_tokens = 0
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
+        self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self.add_callback(_AfterOptimizerStep(self))
 
     # ---------------------------------------------------------------------------------------------
@@ -317,6 +319,27 @@ class GRPOTrainer(Trainer):
             else:
                 raise TypeError(f"reward_funcs[{k}] is a {type(func).__name__}; expected a callable, name or model.")
         return funcs
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with fp32 master weights for bf16/fp16 parameters and the lost-update guard
+        (`precision.PrecisionGuard`; DeepSpeed and fp16 loss scaling manage precision themselves)."""
+        optimizer = super().create_optimizer(model)
+        if self.precision_guard is None:
+            args = self.args
+            managed = self.is_deepspeed_enabled or self.accelerator.scaler is not None
+            optim = str(getattr(args.optim, "value", args.optim))
+            self.precision_guard = PrecisionGuard(
+                optimizer,
+                master_weights=args.fp32_master_weights and not managed,
+                learning_rate=args.learning_rate,
+                adam_like="adam" in optim or "lion" in optim,
+                check_every=args.lost_update_check_steps,
+                threshold=args.lost_update_threshold,
+                action=args.on_lost_updates,
+                record=lambda fraction: self._metrics["train"]["precision/lost_updates"].append(fraction),
+            )
+            logger.info(self.precision_guard.describe())
+        return optimizer
 
     # ---------------------------------------------------------------------------------------------
     # data

@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     save(trainer, tokenizer, args, config.output_dir)
     if state.is_main_process:
         plot_training_curves(trainer.state.log_history, os.path.join(config.output_dir, "training_curves.png"))
+        trainer.state.save_to_json(os.path.join(config.output_dir, "trainer_state.json"))  # every logged metric
         extra["runtime_s"] = time.time() - start
         write_results(config.output_dir, results, extra)
         if results:
