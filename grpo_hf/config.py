@@ -7,6 +7,7 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -341,6 +342,20 @@ class GRPOConfig(TrainingArguments):
                 "cannot hold whole groups. Change per_device_train_batch_size, gradient_accumulation_steps / "
                 "steps_per_generation, or num_generations."
             )
+
+
+def as_dict(value, name: str) -> dict:
+    """A dict-valued field (`model_init_kwargs`, `generation_kwargs`, ...) given as a dict, JSON text or None."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name} must be a dict or a JSON object string; got {value!r}.") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict; got {type(value).__name__}.")
+    return value
 
 
 def _check_choice(name: str, value: Any, literal: Any) -> None:

@@ -438,3 +438,26 @@ def _check_shapes(
         raise ValueError(
             f"advantages has shape {tuple(advantages.shape)} but must be [N] = {shape[:1]} (logps is {shape})"
         )
+
+
+def nan_group_std(grouped: torch.Tensor) -> torch.Tensor:
+    """Sample std of each row of `grouped` [M, G], ignoring NaN; 0 for rows with fewer than 2 values."""
+    valid = ~torch.isnan(grouped)  # [M, G]
+    n = valid.sum(dim=1)  # [M]
+    values = torch.where(valid, grouped, torch.zeros_like(grouped))
+    mean = values.sum(dim=1) / n.clamp(min=1)  # [M]
+    var = (((values - mean.unsqueeze(1)) ** 2) * valid).sum(dim=1) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+
+
+def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """`(start, stop)` of every run of identical consecutive rows of `prompt_ids`/`prompt_mask` [N, P].
+
+    A group's G copies of one prompt are such a run (`RepeatSampler` keeps them together); a group
+    split across processes or micro-batches gives one run per piece.
+    """
+    if prompt_ids.size(0) == 0:
+        return []
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)  # [N-1]
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
+    return list(zip(starts, [*starts[1:], prompt_ids.size(0)], strict=True))

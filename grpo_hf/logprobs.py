@@ -26,8 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.core import entropy_from_logits, selective_log_softmax
-from grpo_hf.rollout.prompts import prompt_runs
+from grpo_hf.core import entropy_from_logits, prompt_runs, selective_log_softmax
 
 Batch = dict[str, Any]
 

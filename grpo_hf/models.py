@@ -14,6 +14,7 @@ the original bf16 checkpoint, so absolute scores differ slightly from the Hub mo
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import importlib.util
 import logging
@@ -198,3 +199,66 @@ def load_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def turn_off_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of `model` to 0 (modules and attention-dropout attributes)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def build_models(
+    model: str | PreTrainedModel,
+    processing_class=None,
+    peft_config=None,
+    *,
+    with_reference: bool,
+    disable_dropout: bool = True,
+    model_init_kwargs: dict | None = None,
+    gradient_checkpointing: bool = False,
+):
+    """The policy (PEFT-wrapped when `peft_config`), the reference model and the (left-padding) tokenizer.
+
+    The reference model is built only `with_reference` (beta != 0), frozen, in eval mode; under LoRA there
+    is none: the reference is the policy with its adapters switched off, so no second copy is built.
+    A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
+    """
+    kwargs = {"dtype": "auto", **(model_init_kwargs or {})}
+    model_id = model if isinstance(model, str) else None
+    if isinstance(model, str):
+        model = load_model(model, **kwargs)
+    elif not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a model id/path or a PreTrainedModel, got {type(model).__name__}.")
+    if processing_class is None:
+        processing_class = load_tokenizer(model_id or model.config._name_or_path)
+    processing_class.padding_side = "left"
+    if processing_class.pad_token is None:
+        processing_class.pad_token = processing_class.eos_token
+    if disable_dropout:
+        turn_off_dropout(model)
+
+    ref_model = None
+    if with_reference and peft_config is None and not _is_peft_model(model):
+        ref_model = load_model(model_id, **kwargs) if model_id is not None else copy.deepcopy(model)
+        ref_model.eval().requires_grad_(False)
+        if disable_dropout:
+            turn_off_dropout(ref_model)
+
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model, ref_model, processing_class

@@ -1,6 +1,6 @@
 """Mixed precision that keeps every update: fp32 master weights, and a guard that counts lost updates.
 
-A bf16 weight w has a spacing of about |w| x 2^-8 (2.3e-4 at w = 0.03); an update smaller than half of
+A bf16 weight w has a spacing of |w| x 2^-8 to 2^-7 (1.2e-4 at w = 0.03); an update smaller than half of
 it rounds away. Adam's steps are about the learning rate (1e-6 .. 1e-5 in RL fine-tuning), so with bf16
 weights and a plain optimizer almost every update is lost (measured: 98% of SmolLM2-135M's weights
 unchanged after one AdamW step at lr 1e-5) and the policy does not learn. DeepSpeed and FSDP mixed

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_hf.rewards import completion_text
+from grpo_hf.rewards import REWARD_FUNCS, completion_text, get_reward_funcs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardModel", "load_reward_model"]
+__all__ = ["RewardModel", "build_reward_funcs", "load_reward_model"]
 
 
 def _is_conversational(value: Any) -> bool:
@@ -161,3 +162,39 @@ def load_reward_model(
 ) -> RewardModel:
     """`RewardModel(path, processing_class, **kwargs)`: load a sequence-classification reward model from a path."""
     return RewardModel(path, processing_class, **kwargs)
+
+
+def _looks_like_model_path(name: str) -> bool:
+    return os.path.exists(name) or "/" in name
+
+
+def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Callable]:
+    """`GRPOTrainer`'s `reward_funcs` as a list of callables: functions as they are, registry names and
+    "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s."""
+    if not isinstance(reward_funcs, list | tuple):
+        reward_funcs = [reward_funcs]
+    if len(reward_funcs) == 0:
+        raise ValueError("reward_funcs is empty: give at least one reward function, name or model.")
+    if reward_processing_classes is not None and not isinstance(reward_processing_classes, list | tuple):
+        reward_processing_classes = [reward_processing_classes]
+    if reward_processing_classes is not None and len(reward_processing_classes) != len(reward_funcs):
+        raise ValueError(
+            f"reward_processing_classes has {len(reward_processing_classes)} entries for {len(reward_funcs)} "
+            "reward functions; give one per function (None where not a reward model)."
+        )
+    funcs = []
+    for k, func in enumerate(reward_funcs):
+        tokenizer = reward_processing_classes[k] if reward_processing_classes is not None else None
+        # Strings: registry names and "module:function" first; paths and Hub ids ("org/name") are
+        # reward models; anything else fails with the registry's list of known names.
+        if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func or not _looks_like_model_path(func)):
+            funcs.extend(get_reward_funcs(func))
+        elif isinstance(func, str | PreTrainedModel):
+            from grpo_hf.reward_models import RewardModel
+
+            funcs.append(RewardModel(func, tokenizer))
+        elif callable(func):
+            funcs.append(func)
+        else:
+            raise TypeError(f"reward_funcs[{k}] is a {type(func).__name__}; expected a callable, name or model.")
+    return funcs

@@ -11,7 +11,8 @@ One optimizer step (DESIGN.md §3)::
       -> Trainer                     backward, clip, optimizer step, log
 
 The trainer only wires pieces together: the maths lives in `core`, generation in `rollout`,
-scoring in `rewards`. The loss is the one in DESIGN.md §5 exactly; the one place where the
+log-probs in `logprobs`, scoring in `rewards`, fp32 master weights in `precision`.
+The loss is the one in DESIGN.md §5 exactly; the one place where the
 trainer touches it is the gradient-accumulation / data-parallel rescaling of `dapo` (see
 `compute_loss`).
 """
@@ -19,8 +20,6 @@ trainer touches it is the gradient-accumulation / data-parallel rescaling of `da
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import os
 import warnings
@@ -31,21 +30,21 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
 
-from grpo_hf.config import GRPOConfig
-from grpo_hf.core import combine_rewards, group_advantages, grpo_loss
+from grpo_hf.completion_log import completion_rows, write_completions
+from grpo_hf.config import GRPOConfig, as_dict
+from grpo_hf.core import combine_rewards, group_advantages, grpo_loss, nan_group_std
 from grpo_hf.logprobs import (
     backward_per_group,
     completion_logps,
-    is_peft_model,
     logps_in_chunks,
     supports_shared_prefix,
 )
-from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.models import build_models
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.rewards import REWARD_FUNCS, compute_rewards, get_reward_funcs, reward_func_name
+from grpo_hf.reward_models import build_reward_funcs
+from grpo_hf.rewards import compute_rewards, reward_func_name
 from grpo_hf.rollout import (
     RepeatSampler,
     RolloutEngine,
@@ -64,22 +63,29 @@ def _identity_collator(features: list[dict]) -> list[dict]:
     return features
 
 
-def _disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+def _reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tensor:
+    """One weight per reward function [R] (all 1.0 by default)."""
+    if weights is not None and len(weights) != len(names):
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries but there are {len(names)} reward functions ({names}). "
+            "Give one weight per function."
+        )
+    return torch.tensor(weights or [1.0] * len(names), dtype=torch.float32)
 
 
-def _nan_group_std(grouped: torch.Tensor) -> torch.Tensor:
-    """Sample std of each row of `grouped` [M, G], ignoring NaN; 0 for rows with fewer than 2 values."""
-    valid = ~torch.isnan(grouped)  # [M, G]
-    n = valid.sum(dim=1)  # [M]
-    values = torch.where(valid, grouped, torch.zeros_like(grouped))
-    mean = values.sum(dim=1) / n.clamp(min=1)  # [M]
-    var = (((values - mean.unsqueeze(1)) ** 2) * valid).sum(dim=1) / (n - 1).clamp(min=1)
-    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+def _check_datasets(train_dataset, eval_dataset) -> None:
+    """Each given dataset has a `prompt` column and at least one row."""
+    for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is None:
+            continue
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(
+                f"{split} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
+                "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{split} is empty: it needs at least one prompt.")
 
 
 class _AfterOptimizerStep(TrainerCallback):
@@ -91,10 +97,6 @@ class _AfterOptimizerStep(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer.rollout is not None:
             self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
-
-
-def _looks_like_model(name: str) -> bool:
-    return os.path.exists(name) or "/" in name
 
 
 class GRPOTrainer(Trainer):
@@ -142,58 +144,20 @@ class GRPOTrainer(Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
 
-        # ---- model and tokenizer ------------------------------------------------------------------
-        model_id = model if isinstance(model, str) else None
-        if isinstance(model, str):
-            model = self._load_causal_lm(model, args)
-        elif not isinstance(model, PreTrainedModel):
-            raise TypeError(f"model must be a model id/path or a PreTrainedModel, got {type(model).__name__}.")
-        if processing_class is None:
-            processing_class = load_tokenizer(model_id or model.config._name_or_path)
-        processing_class.padding_side = "left"
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
-        if args.disable_dropout:
-            _disable_dropout(model)
+        model, ref_model, processing_class = build_models(
+            model,
+            processing_class,
+            peft_config,
+            with_reference=args.beta != 0.0,
+            disable_dropout=args.disable_dropout,
+            model_init_kwargs=as_dict(args.model_init_kwargs, "model_init_kwargs"),
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
+        _check_datasets(train_dataset, eval_dataset)
 
-        # Reference model: only when the KL term is on. Under LoRA it is the base model with the
-        # adapters switched off, so no second copy is built.
-        ref_model = None
-        if args.beta != 0.0 and peft_config is None and not is_peft_model(model):
-            ref_model = self._load_causal_lm(model_id, args) if model_id is not None else copy.deepcopy(model)
-            ref_model.eval().requires_grad_(False)
-            if args.disable_dropout:
-                _disable_dropout(ref_model)
-
-        if peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft_config)
-            if args.gradient_checkpointing:
-                model.enable_input_require_grads()
-
-        # ---- data ----------------------------------------------------------------------------------
-        for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is None:
-                continue
-            columns = getattr(dataset, "column_names", None)
-            if columns is not None and "prompt" not in columns:
-                raise ValueError(
-                    f"{split} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
-                    "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
-                )
-            if len(dataset) == 0:
-                raise ValueError(f"{split} is empty: it needs at least one prompt.")
-
-        # ---- rewards ---------------------------------------------------------------------------------
-        self.reward_funcs = self._build_reward_funcs(reward_funcs, reward_processing_classes, args)
+        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(args.reward_weights)} entries but there are {len(self.reward_funcs)} reward "
-                f"functions ({self.reward_func_names}). Give one weight per function."
-            )
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32)
+        self.reward_weights = _reward_weights(args.reward_weights, self.reward_func_names)
 
         super().__init__(
             model=model,
@@ -207,52 +171,20 @@ class GRPOTrainer(Trainer):
         )
         self.model_accepts_loss_kwargs = False
 
-        num_processes = self.accelerator.num_processes
-        global_batch = args.per_device_train_batch_size * num_processes
-        if (global_batch * args.steps_per_generation) % args.num_generations != 0:
-            raise ValueError(
-                f"The generation batch (per_device_train_batch_size {args.per_device_train_batch_size} x "
-                f"{num_processes} processes x steps_per_generation {args.steps_per_generation}) is not divisible by "
-                f"num_generations={args.num_generations}. Change per_device_train_batch_size or num_generations."
-            )
-
-        # ---- reference model placement ---------------------------------------------------------------
-        self.ref_model = ref_model
-        if ref_model is not None:
-            if self.is_deepspeed_enabled:
-                from trl.models.utils import prepare_deepspeed
-
-                self.ref_model = prepare_deepspeed(ref_model, self.accelerator)
-            elif self.is_fsdp_enabled:
-                from trl.models.utils import prepare_fsdp
-
-                self.ref_model = prepare_fsdp(ref_model, self.accelerator)
-            else:
-                self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        self.ref_model = self._place_ref_model(ref_model)
         for func in self.reward_funcs:
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
                 func.model.to(self.accelerator.device)
 
-        # ---- generation --------------------------------------------------------------------------------
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        self.eos_token_ids = eos_token_ids_of(unwrapped, processing_class)
-        generation_kwargs = {
-            "max_new_tokens": args.max_completion_length,
-            "do_sample": True,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty,
-            "pad_token_id": processing_class.pad_token_id,
-            "eos_token_id": self.eos_token_ids,
-            "use_cache": True,
-        }
-        generation_kwargs.update(self._as_dict(args.generation_kwargs, "generation_kwargs"))
-        self.generation_config = GenerationConfig(**generation_kwargs)
-        self.chat_template_kwargs = self._as_dict(args.chat_template_kwargs, "chat_template_kwargs")
+        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), processing_class)
+        self.generation_config = self._build_generation_config(args, processing_class, self.eos_token_ids)
+        self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
 
-        # ---- state -----------------------------------------------------------------------------------
+        self._init_state(args)
+
+    # ---- construction helpers --------------------------------------------------------------------------------
+    def _init_state(self, args: GRPOConfig) -> None:
+        """The rollout buffer, counters and metrics a run carries from step to step."""
         # Old log-probs differ from the current policy's only if an optimizer step happens between
         # generation and the last use of the batch: i.e. unless all steps_per_generation x
         # num_iterations micro-steps of one rollout fall inside one accumulation window.
@@ -268,57 +200,36 @@ class GRPOTrainer(Trainer):
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self.add_callback(_AfterOptimizerStep(self))
 
-    # ---------------------------------------------------------------------------------------------
-    # construction helpers
-    # ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _as_dict(value, name: str) -> dict:
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{name} must be a dict or a JSON object string; got {value!r}.") from err
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a dict; got {type(value).__name__}.")
-        return value
+    def _place_ref_model(self, ref_model):
+        """The reference model prepared like the policy (DeepSpeed / FSDP / device placement), or None."""
+        if ref_model is None:
+            return None
+        if self.is_deepspeed_enabled:
+            from trl.models.utils import prepare_deepspeed
 
-    @staticmethod
-    def _load_causal_lm(model_id: str, args: GRPOConfig) -> PreTrainedModel:
-        kwargs = GRPOTrainer._as_dict(args.model_init_kwargs, "model_init_kwargs")
-        kwargs.setdefault("dtype", "auto")
-        return load_model(model_id, **kwargs)
+            return prepare_deepspeed(ref_model, self.accelerator)
+        if self.is_fsdp_enabled:
+            from trl.models.utils import prepare_fsdp
 
-    @staticmethod
-    def _build_reward_funcs(reward_funcs, reward_processing_classes, args) -> list[Callable]:
-        if not isinstance(reward_funcs, list | tuple):
-            reward_funcs = [reward_funcs]
-        if len(reward_funcs) == 0:
-            raise ValueError("reward_funcs is empty: give at least one reward function, name or model.")
-        if reward_processing_classes is not None and not isinstance(reward_processing_classes, list | tuple):
-            reward_processing_classes = [reward_processing_classes]
-        if reward_processing_classes is not None and len(reward_processing_classes) != len(reward_funcs):
-            raise ValueError(
-                f"reward_processing_classes has {len(reward_processing_classes)} entries for {len(reward_funcs)} "
-                "reward functions; give one per function (None where not a reward model)."
-            )
-        funcs = []
-        for k, func in enumerate(reward_funcs):
-            tokenizer = reward_processing_classes[k] if reward_processing_classes is not None else None
-            # Strings: registry names and "module:function" first; paths and Hub ids ("org/name") are
-            # reward models; anything else fails with the registry's list of known names.
-            if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func or not _looks_like_model(func)):
-                funcs.extend(get_reward_funcs(func))
-            elif isinstance(func, str | PreTrainedModel):
-                from grpo_hf.reward_models import RewardModel
+            return prepare_fsdp(ref_model, self.accelerator)
+        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
 
-                funcs.append(RewardModel(func, tokenizer))
-            elif callable(func):
-                funcs.append(func)
-            else:
-                raise TypeError(f"reward_funcs[{k}] is a {type(func).__name__}; expected a callable, name or model.")
-        return funcs
+    def _build_generation_config(self, args: GRPOConfig, processing_class, eos_token_ids) -> GenerationConfig:
+        """The sampling settings of the config, then `generation_kwargs` over them."""
+        generation_kwargs = {
+            "max_new_tokens": args.max_completion_length,
+            "do_sample": True,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "pad_token_id": processing_class.pad_token_id,
+            "eos_token_id": eos_token_ids,
+            "use_cache": True,
+        }
+        generation_kwargs.update(as_dict(args.generation_kwargs, "generation_kwargs"))
+        return GenerationConfig(**generation_kwargs)
 
     def create_optimizer(self, model=None):
         """Trainer's optimizer, with fp32 master weights for bf16/fp16 parameters and the lost-update guard
@@ -341,9 +252,7 @@ class GRPOTrainer(Trainer):
             logger.info(self.precision_guard.describe())
         return optimizer
 
-    # ---------------------------------------------------------------------------------------------
-    # data
-    # ---------------------------------------------------------------------------------------------
+    # ---- data ------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
         # With remove_unused_columns=True keep only the prompt (the model's forward signature is irrelevant here).
         if self._signature_columns is None:
@@ -382,9 +291,7 @@ class GRPOTrainer(Trainer):
             is_training=True,
         )
 
-    # ---------------------------------------------------------------------------------------------
-    # rollouts
-    # ---------------------------------------------------------------------------------------------
+    # ---- rollouts --------------------------------------------------------------------------------------------
     def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         """Generate completions for this process's rows, score them, and compute advantages.
 
@@ -406,24 +313,8 @@ class GRPOTrainer(Trainer):
             )  # [B, T], [B, T], [B]
         self.num_generate_calls += 1
 
-        # Rewards see the text (and ids) of each completion up to and including its EOS.
         lengths = completion_mask.sum(dim=1)  # [B]
-        completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
-        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True)
-        completions = texts
-        if is_conversational(prompts[0]):
-            completions = [[{"role": "assistant", "content": t}] for t in texts]
-        reward_rows, errors = compute_rewards(
-            self.reward_funcs,
-            prompts,
-            completions,
-            completion_id_lists,
-            columns=columns,
-            trainer_state=self.state,
-            timeout=args.reward_timeout,
-            error_policy=args.reward_error_policy,
-        )
-        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
+        rewards, texts, errors = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
 
         # Whole groups may straddle processes: gather, normalise over the full batch, keep our rows.
         all_rewards = self.accelerator.gather(rewards)  # [N, R]
@@ -433,25 +324,7 @@ class GRPOTrainer(Trainer):
 
         metrics = self._metrics[mode]
         G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
-        valid = ~torch.isnan(total)
-        if valid.sum() == 0:
-            warnings.warn(
-                "Every reward function returned None for every completion of this batch; its advantages are 0 "
-                "and it does not move the policy. Check that the reward functions apply to this dataset.",
-                stacklevel=2,
-            )
-        metrics["reward"].append(total[valid].mean().item() if valid.any() else float("nan"))
-        for k, name in enumerate(self.reward_func_names):
-            column = all_rewards[:, k]
-            ok = ~torch.isnan(column)
-            metrics[f"rewards/{name}/mean"].append(column[ok].mean().item() if ok.any() else float("nan"))
-            metrics[f"rewards/{name}/std"].append(column[ok].std().item() if ok.sum() > 1 else 0.0)
-            if args.reward_error_policy == "skip":
-                metrics[f"rewards/{name}/errors"].append(float(self._sum_processes(errors.get(name, 0))))
-        if total.numel() % G == 0:
-            group_std = _nan_group_std(total.view(-1, G))  # [N / G]
-            metrics["reward_std"].append(group_std.mean().item())
-            metrics["frac_reward_zero_std"].append((group_std == 0).float().mean().item())
+        self._record_rollout_metrics(metrics, all_rewards, total, errors, G)
         float_lengths = all_lengths.float()
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())
@@ -474,8 +347,59 @@ class GRPOTrainer(Trainer):
             if args.mask_truncated_completions:
                 batch["completion_mask"] = completion_mask * (~is_truncated).unsqueeze(1).long()
             if args.log_completions:
-                self._remember_completions(prompts, texts, rewards, batch["advantages"])
+                rows = completion_rows(
+                    self.state.global_step, prompts, texts, self.reward_func_names, rewards, batch["advantages"]
+                )
+                self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         return batch
+
+    def _score(self, prompts, columns, completion_ids, lengths):
+        """Rewards [B, R] (NaN = None) of each completion, its text, and the error counts of skipped rewards.
+
+        Reward functions see the text (and ids) of each completion up to and including its EOS; with
+        conversational prompts the completion is one assistant message.
+        """
+        args = self.args
+        completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
+        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True)
+        completions = texts
+        if is_conversational(prompts[0]):
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        reward_rows, errors = compute_rewards(
+            self.reward_funcs,
+            prompts,
+            completions,
+            completion_id_lists,
+            columns=columns,
+            trainer_state=self.state,
+            timeout=args.reward_timeout,
+            error_policy=args.reward_error_policy,
+        )
+        device = self.accelerator.device
+        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
+        return rewards, texts, errors
+
+    def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
+        """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
+        valid = ~torch.isnan(total)
+        if valid.sum() == 0:
+            warnings.warn(
+                "Every reward function returned None for every completion of this batch; its advantages are 0 "
+                "and it does not move the policy. Check that the reward functions apply to this dataset.",
+                stacklevel=3,
+            )
+        metrics["reward"].append(total[valid].mean().item() if valid.any() else float("nan"))
+        for k, name in enumerate(self.reward_func_names):
+            column = all_rewards[:, k]
+            ok = ~torch.isnan(column)
+            metrics[f"rewards/{name}/mean"].append(column[ok].mean().item() if ok.any() else float("nan"))
+            metrics[f"rewards/{name}/std"].append(column[ok].std().item() if ok.sum() > 1 else 0.0)
+            if self.args.reward_error_policy == "skip":
+                metrics[f"rewards/{name}/errors"].append(float(self._sum_processes(errors.get(name, 0))))
+        if total.numel() % G == 0:
+            group_std = nan_group_std(total.view(-1, G))  # [N / G]
+            metrics["reward_std"].append(group_std.mean().item())
+            metrics["frac_reward_zero_std"].append((group_std == 0).float().mean().item())
 
     def _rollout_engine(self, model: nn.Module) -> RolloutEngine:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
@@ -552,9 +476,7 @@ class GRPOTrainer(Trainer):
                 part["num_items_in_batch"] = tokens.sum() * ga / S
         return slices
 
-    # ---------------------------------------------------------------------------------------------
-    # log-probabilities
-    # ---------------------------------------------------------------------------------------------
+    # ---- log-probabilities -----------------------------------------------------------------------------------
     def _logprob_kwargs(self, model: nn.Module) -> dict[str, Any]:
         args = self.args
         return {
@@ -579,9 +501,7 @@ class GRPOTrainer(Trainer):
         """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time."""
         return logps_in_chunks(model, batch, self.args.per_device_train_batch_size, **self._logprob_kwargs(model))
 
-    # ---------------------------------------------------------------------------------------------
-    # loss
-    # ---------------------------------------------------------------------------------------------
+    # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
@@ -639,18 +559,14 @@ class GRPOTrainer(Trainer):
             # Trainer divides the loss it backpropagates by the accumulation steps: so do we.
             self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
 
-    # ---------------------------------------------------------------------------------------------
-    # evaluation
-    # ---------------------------------------------------------------------------------------------
+    # ---- evaluation ------------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Sample `num_generations_eval` completions per eval prompt and record their rewards."""
         with torch.no_grad():
             self._generate_and_score(inputs, "eval")
         return None, None, None
 
-    # ---------------------------------------------------------------------------------------------
-    # logging
-    # ---------------------------------------------------------------------------------------------
+    # ---- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         collected = self._metrics[mode]
@@ -665,40 +581,9 @@ class GRPOTrainer(Trainer):
             logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
         collected.clear()
         if mode == "train" and self.args.log_completions and self._completion_rows:
-            self._write_completions()
+            rows, self._completion_rows = self._completion_rows, []
+            if self.accelerator.is_main_process:
+                write_completions(
+                    rows, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
+                )
         super().log(logs, start_time)
-
-    def _remember_completions(self, prompts, texts, rewards, advantages) -> None:
-        def as_text(prompt):
-            return prompt[-1]["content"] if is_conversational(prompt) else prompt
-
-        rows = [
-            {
-                "step": self.state.global_step,
-                "prompt": as_text(p),
-                "completion": c,
-                "rewards": dict(zip(self.reward_func_names, r, strict=True)),
-                "advantage": a,
-            }
-            for p, c, r, a in zip(prompts, texts, rewards.tolist(), advantages.tolist(), strict=True)
-        ]
-        self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
-
-    def _write_completions(self) -> None:
-        rows, self._completion_rows = self._completion_rows, []
-        if not self.accelerator.is_main_process:
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        shown = rows[: self.args.num_completions_to_print] if self.args.num_completions_to_print else rows
-        lines = [f"completions at step {self.state.global_step}:"]
-        for row in shown:
-            rewards = " ".join(f"{k}={v:.3g}" for k, v in row["rewards"].items())
-            lines.append(
-                f"  prompt: {row['prompt'][-80:]!r}\n  completion: {row['completion'][:200]!r}\n"
-                f"  rewards: {rewards}  advantage: {row['advantage']:+.3f}"
-            )
-        # A display the user asked for (log_completions), written beside the progress bar.
-        tqdm.write("\n".join(lines))

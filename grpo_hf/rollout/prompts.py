@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from grpo_hf.core import prompt_runs  # noqa: F401  (re-exported: the groups inside a batch)
+
 
 class RepeatSampler(Sampler[int]):
     """Dataset indices for GRPO: whole groups, each generation batch repeated.
@@ -160,16 +162,3 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token.")
     return sorted(ids)
-
-
-def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[int, int]]:
-    """`(start, stop)` of every run of identical consecutive rows of `prompt_ids`/`prompt_mask` [N, P].
-
-    A group's G copies of one prompt are such a run (`RepeatSampler` keeps them together); a group
-    split across processes or micro-batches gives one run per piece.
-    """
-    if prompt_ids.size(0) == 0:
-        return []
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)  # [N-1]
-    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
-    return list(zip(starts, [*starts[1:], prompt_ids.size(0)], strict=True))

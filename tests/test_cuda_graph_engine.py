@@ -1,0 +1,291 @@
+"""The `cuda_graph` engine draws what `model.generate` draws, with a decode step that compiles without a graph break.
+
+CPU only: the step runs eagerly (compile=False), except where `torch.compile(..., backend="eager", fullgraph=True)`
+checks that it traces as one graph. That the graph is captured by CUDA graphs is measured on a GPU, not here.
+"""
+
+import logging
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from transformers import (
+    GenerationConfig,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import grpo_hf.rollout.cuda_graph as cuda_graph
+from grpo_hf.rollout import logits_processors, make_engine, tokenize_prompts
+from grpo_hf.rollout.cuda_graph import (
+    CUDAGraphEngine,
+    SamplingSettings,
+    min_p_filter,
+    process_logits,
+    prompt_seen_mask,
+    repetition_penalty,
+    top_k_filter,
+    top_p_filter,
+)
+
+PROMPTS = ["Hello there"] * 2 + ["A much longer prompt, with more tokens"] * 3 + ["Why?"] * 2 + ["Count: 1 2 3 4"]
+
+
+def _config(tokenizer, **settings) -> GenerationConfig:
+    settings = {"max_new_tokens": 12, "top_k": 1, "do_sample": True, **settings}
+    return GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id], **settings)
+
+
+def _model(tokenizer, arch="llama", seed=1, eos_scale=2.0, attention="sdpa"):
+    """A tiny model whose EOS logit is scaled up, so that some rows (not all) end early under argmax."""
+    model = build_tiny_model(tokenizer, arch, seed=seed).eval()
+    model.config._attn_implementation = attention
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= eos_scale
+    return model
+
+
+def _engine(model, config, tokenizer, **options) -> CUDAGraphEngine:
+    engine, why = make_engine("cuda_graph", model, config, [tokenizer.eos_token_id], **options)
+    assert isinstance(engine, CUDAGraphEngine), why
+    return engine
+
+
+def _reference(model, prompt_ids, prompt_mask, config, tokenizer):
+    engine, _ = make_engine("generate", model, config, [tokenizer.eos_token_id])
+    return engine.generate(model, prompt_ids, prompt_mask)
+
+
+@pytest.mark.parametrize(
+    ("arch", "seed", "eos_scale", "attention"), [("llama", 1, 2.0, "sdpa"), ("qwen2", 2, 3.0, "eager")]
+)
+def test_argmax_sampling_matches_model_generate_token_for_token(tokenizer, arch, seed, eos_scale, attention):
+    """Left-padded prompts of four lengths, groups of 1 to 3 rows, some ending with EOS and some truncated."""
+    model = _model(tokenizer, arch, seed, eos_scale, attention)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer)
+    ours = _engine(model, config, tokenizer, compile=False).generate(model, prompt_ids, prompt_mask)
+    reference = _reference(model, prompt_ids, prompt_mask, config, tokenizer)
+    assert 0 < int(reference.is_truncated.sum()) < len(PROMPTS)  # the case is not degenerate
+    for ours_tensor, reference_tensor in zip(ours, reference, strict=True):
+        assert torch.equal(ours_tensor, reference_tensor)
+
+
+def test_unset_settings_take_the_models_generation_config_defaults(tokenizer):
+    model = _model(tokenizer)
+    model.generation_config.top_k = 1  # the model's default makes sampling an argmax
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer, top_k=None)
+    assert SamplingSettings.of(model, config).top_k == 1
+    ours = _engine(model, config, tokenizer, compile=False).generate(model, prompt_ids, prompt_mask)
+    assert torch.equal(
+        ours.completion_ids, _reference(model, prompt_ids, prompt_mask, config, tokenizer).completion_ids
+    )
+
+
+def test_finished_rows_emit_pad_and_the_loop_stops_when_all_rows_have_finished(tokenizer, monkeypatch):
+    model = _model(tokenizer, seed=3, eos_scale=3.0)  # every row draws EOS within 2 tokens
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer, max_new_tokens=64)
+    engine = _engine(model, config, tokenizer, compile=False)
+    engine.check_every = 4
+    steps, decode_step = [], cuda_graph.decode_step
+    monkeypatch.setattr(cuda_graph, "decode_step", lambda *args: steps.append(1) or decode_step(*args))
+    completion_ids, completion_mask, is_truncated = engine.generate(model, prompt_ids, prompt_mask)
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    lengths = completion_mask.sum(1)  # [N]
+    assert not is_truncated.any() and completion_ids.size(1) == int(lengths.max()) == 2 and int(lengths.min()) == 1
+    for row, length in zip(completion_ids, lengths.tolist(), strict=True):
+        assert row[length - 1] == eos and (row[length:] == pad).all() and (row[: length - 1] != eos).all()
+    assert torch.equal(completion_mask, (torch.arange(completion_ids.size(1)) < lengths[:, None]).long())
+    assert len(steps) <= 2 * engine.check_every  # early stop, not 63 steps
+    sampled = engine.sample(model, prompt_ids, prompt_mask)  # before `generate` pads: the engine's own padding
+    assert torch.equal(sampled, completion_ids)
+    assert torch.equal(completion_ids, _reference(model, prompt_ids, prompt_mask, config, tokenizer).completion_ids)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weights_changed_in_place_are_seen_by_the_next_call(tokenizer, compiled):
+    model = _model(tokenizer)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer)
+    engine = _engine(model, config, tokenizer, compile=compiled)
+    engine.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    before = engine.generate(model, prompt_ids, prompt_mask).completion_ids
+    weight = model.lm_head.weight
+    pointer = weight.data_ptr()
+    with torch.no_grad():
+        weight.data.copy_(weight.flip(0))  # the argmax v becomes V - 1 - v
+    engine.on_weights_updated(model)
+    after = engine.generate(model, prompt_ids, prompt_mask).completion_ids
+    assert weight.data_ptr() == pointer and engine._buckets  # in place: the buffers were kept
+    assert torch.equal(after[:, 0], len(tokenizer) - 1 - before[:, 0])
+    assert torch.equal(after, _reference(model, prompt_ids, prompt_mask, config, tokenizer).completion_ids)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lora_model_samples_what_the_merged_model_samples(tokenizer, compiled):
+    """The LoRA layers run inside the step (traced as one graph when compiled), without merging the adapter."""
+    peft = pytest.importorskip("peft")
+    model = _model(tokenizer)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer)
+    base = _engine(model, config, tokenizer, compile=False).generate(model, prompt_ids, prompt_mask).completion_ids
+    torch.manual_seed(0)
+    lora_config = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, lora_config).eval()
+    engine = _engine(lora, config, tokenizer, compile=compiled)
+    engine.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    ours = engine.generate(lora, prompt_ids, prompt_mask).completion_ids
+    merged = lora.merge_and_unload()
+    reference = _engine(merged, config, tokenizer, compile=False).generate(merged, prompt_ids, prompt_mask)
+    assert not torch.equal(ours, base)  # the adapter changes what is sampled
+    assert torch.equal(ours, reference.completion_ids)
+
+
+def test_decode_step_compiles_as_one_graph_and_draws_what_the_eager_step_draws(tokenizer):
+    """fullgraph=True fails on any graph break (`.item()`, `.tolist()`, a branch on a tensor's value); the second
+    batch (shorter prompts, same rows) reuses the bucket and the graph: a recompile would raise."""
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    settings = dict(max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    config = _config(tokenizer, **settings)
+    eager = _engine(model, config, tokenizer, compile=False)
+    compiled = _engine(model, config, tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    shorter_ids, shorter_mask, _ = tokenize_prompts(tokenizer, [p[:5] for p in PROMPTS])
+    for batch, recompile_raises in (((prompt_ids, prompt_mask), False), ((shorter_ids, shorter_mask), True)):
+        torch.manual_seed(0)
+        expected = eager.generate(model, *batch)
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(error_on_recompile=recompile_raises):
+            got = compiled.generate(model, *batch)
+        assert torch.equal(got.completion_ids, expected.completion_ids)
+    assert expected.completion_ids.size(1) == 6 and expected.completion_mask.sum() > len(PROMPTS)
+    assert compiled._step is not None and len(compiled._buckets) == 1
+
+
+def test_unsupported_reason_names_what_the_static_step_cannot_take(tokenizer):
+    model = _model(tokenizer)
+    config = _config(tokenizer)
+    assert CUDAGraphEngine.unsupported_reason(model, config) is None
+    assert "do_sample" in CUDAGraphEngine.unsupported_reason(model, _config(tokenizer, do_sample=False))
+    model.config._attn_implementation = "flash_attention_2"
+    assert "4-D mask" in CUDAGraphEngine.unsupported_reason(model, config)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The processors, one by one and chained, against transformers' own on random logits
+
+
+def _random_scores(N=16, V=300, seed=0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn((N, V), generator=generator) * 3  # [N, V]
+    return scores.round(decimals=1)  # ties, which the top-k and top-p boundaries must treat as transformers does
+
+
+def _padded_history(N=16, P=10, T=5, V=300, seed=1):
+    """Left-padded prompts (one with an id beyond the logits' vocabulary) followed by generated tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(0, V, (N, P), generator=generator)  # [N, P]
+    prompt_mask = (torch.arange(P)[None] >= torch.randint(0, P - 1, (N, 1), generator=generator)).long()  # [N, P]
+    prompt_ids[0, -1] = V + 3
+    generated = torch.randint(0, V, (N, T), generator=generator)  # [N, T]
+    return prompt_ids, prompt_mask, generated
+
+
+def test_each_processor_equals_transformers_on_random_logits():
+    scores = _random_scores()
+    input_ids = torch.zeros((scores.size(0), 1), dtype=torch.long)
+    for k in (1, 7, 50, 1000):
+        assert torch.equal(top_k_filter(scores, k), TopKLogitsWarper(k)(input_ids, scores)), k
+    for p in (0.0, 0.05, 0.5, 0.9, 0.99):  # 0.0: only the kept top token is left
+        assert torch.equal(top_p_filter(scores, p), TopPLogitsWarper(p)(input_ids, scores)), p
+    for p in (0.0, 0.05, 0.3, 1.0):
+        assert torch.equal(min_p_filter(scores, p), MinPLogitsWarper(p)(input_ids, scores)), p
+    warmer = process_logits(scores, None, SamplingSettings(temperature=0.7))
+    assert torch.equal(warmer, TemperatureLogitsWarper(0.7)(input_ids, scores))
+
+    prompt_ids, prompt_mask, generated = _padded_history(V=scores.size(1))
+    seen = prompt_seen_mask(prompt_ids, prompt_mask, scores.size(1)).scatter(1, generated, True)  # [N, V]
+    padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
+    history = torch.cat([prompt_ids, generated], dim=1)  # [N, P + T]
+    for penalty in (0.8, 1.5):
+        expected = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding_lengths)(history, scores)
+        assert torch.equal(repetition_penalty(scores, seen, penalty), expected), penalty
+    everything = torch.zeros_like(seen).scatter(1, history.clamp(max=scores.size(1) - 1), True)  # [N, V]
+    assert not torch.equal(seen, everything)  # the left padding holds tokens that must not be penalised
+
+
+def test_chained_processors_equal_the_ones_generate_applies():
+    scores = _random_scores(seed=2)
+    prompt_ids, prompt_mask, generated = _padded_history(V=scores.size(1))
+    settings = dict(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.3)
+    config = GenerationConfig(do_sample=True, max_new_tokens=5, pad_token_id=0, **settings)
+    expected = logits_processors(config, prompt_mask)(torch.cat([prompt_ids, generated], dim=1), scores)
+    seen = prompt_seen_mask(prompt_ids, prompt_mask, scores.size(1)).scatter(1, generated, True)  # [N, V]
+    ours = process_logits(scores, seen, SamplingSettings(pad_token_id=0, **settings))
+    assert torch.equal(ours, expected)
+    assert (ours == -float("inf")).any(dim=1).all() and torch.isfinite(ours).sum(dim=1).min() >= 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sampled distribution
+
+
+def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
+    """softmax of the processed next-token logits [B, V], computed directly from transformers' processors."""
+    scores = model(input_ids=input_ids).logits[:, -1].float()  # [B, V]
+    scores = RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"])(input_ids, scores)
+    scores = TemperatureLogitsWarper(settings["temperature"])(input_ids, scores)
+    scores = TopKLogitsWarper(settings["top_k"])(input_ids, scores)
+    scores = TopPLogitsWarper(settings["top_p"])(input_ids, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+@torch.no_grad()
+def test_first_two_tokens_follow_the_exact_distribution(tokenizer):
+    """20,000 rows of one prompt: the empirical distributions of the first and second tokens are within 0.025 (total
+    variation) of the exact ones, computed token by token with transformers' processors (EOS -> pad included)."""
+    model = build_tiny_model(tokenizer, seed=8).eval()
+    model.lm_head.weight.mul_(20)  # peaked logits, so that every sampling setting changes the distribution
+    settings = {"repetition_penalty": 1.5, "temperature": 0.7, "top_k": 12, "top_p": 0.9}
+    eos, pad, V = tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)
+    prompt = torch.arange(3, V, 2)[None]  # [1, P] every other byte token: the penalty hits about half the vocabulary
+    p1 = _next_token_probs(model, prompt, settings)[0]  # [V]
+    extended = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, P + 1]
+    p2_given_t1 = _next_token_probs(model, extended, settings)  # [V, V]
+    p2_given_t1[eos] = torch.nn.functional.one_hot(torch.tensor(pad), V).float()
+    p2 = p1 @ p2_given_t1  # [V]
+
+    N = 20_000
+    config = _config(tokenizer, max_new_tokens=2, **settings)
+    engine = _engine(model, config, tokenizer, compile=False)
+    torch.manual_seed(0)
+    completion_ids = engine.sample(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1), dtype=torch.long))
+
+    tolerance = 0.025  # the sampling noise of N = 20,000 draws over ~20 tokens is ~0.01
+    for position, exact in ((0, p1), (1, p2)):
+        empirical = torch.bincount(completion_ids[:, position], minlength=V).float() / N
+        assert 0.5 * (empirical - exact).abs().sum().item() < tolerance, position
+    for left_out in ("repetition_penalty", "temperature", "top_k", "top_p"):  # each setting is visible at this size
+        neutral = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": V, "top_p": 1.0}[left_out]
+        other = _next_token_probs(model, prompt, {**settings, left_out: neutral})[0]
+        assert 0.5 * (other - p1).abs().sum().item() > 3 * tolerance, left_out
+
+
+def test_the_first_compiled_step_of_a_bucket_reports_its_compile_time_once(tokenizer, caplog):
+    model = build_tiny_model(tokenizer, "llama", seed=1).eval()
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["Hi"] * 2 + ["Hello again"] * 2)
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
+    engine = CUDAGraphEngine(config, [tokenizer.eos_token_id], compile=True)
+    engine.compile_kwargs = {"backend": "eager", "fullgraph": True}
+    with caplog.at_level(logging.INFO, logger="grpo_hf.rollout.cuda_graph"):
+        engine.generate(model, prompt_ids, prompt_mask)
+        engine.generate(model, prompt_ids, prompt_mask)  # the same bucket: no second report
+    reports = [r.getMessage() for r in caplog.records if "compiled the decode step" in r.getMessage()]
+    assert len(reports) == 1 and "4 rows x 68 positions" in reports[0]
