@@ -234,48 +234,7 @@ def test_chained_processors_equal_the_ones_generate_applies():
 
 
 # ----------------------------------------------------------------------------------------------------
-# The sampled distribution
-
-
-def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
-    """softmax of the processed next-token logits [B, V], computed directly from transformers' processors."""
-    scores = model(input_ids=input_ids).logits[:, -1].float()  # [B, V]
-    scores = RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"])(input_ids, scores)
-    scores = TemperatureLogitsWarper(settings["temperature"])(input_ids, scores)
-    scores = TopKLogitsWarper(settings["top_k"])(input_ids, scores)
-    scores = TopPLogitsWarper(settings["top_p"])(input_ids, scores)
-    return torch.softmax(scores, dim=-1)
-
-
-@torch.no_grad()
-def test_first_two_tokens_follow_the_exact_distribution(tokenizer):
-    """20,000 rows of one prompt: the empirical distributions of the first and second tokens are within 0.025 (total
-    variation) of the exact ones, computed token by token with transformers' processors (EOS -> pad included)."""
-    model = build_tiny_model(tokenizer, seed=8).eval()
-    model.lm_head.weight.mul_(20)  # peaked logits, so that every sampling setting changes the distribution
-    settings = {"repetition_penalty": 1.5, "temperature": 0.7, "top_k": 12, "top_p": 0.9}
-    eos, pad, V = tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)
-    prompt = torch.arange(3, V, 2)[None]  # [1, P] every other byte token: the penalty hits about half the vocabulary
-    p1 = _next_token_probs(model, prompt, settings)[0]  # [V]
-    extended = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, P + 1]
-    p2_given_t1 = _next_token_probs(model, extended, settings)  # [V, V]
-    p2_given_t1[eos] = torch.nn.functional.one_hot(torch.tensor(pad), V).float()
-    p2 = p1 @ p2_given_t1  # [V]
-
-    N = 20_000
-    config = _config(tokenizer, max_new_tokens=2, **settings)
-    engine = _engine(model, config, tokenizer, compile=False)
-    torch.manual_seed(0)
-    completion_ids = engine.sample(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1), dtype=torch.long))
-
-    tolerance = 0.025  # the sampling noise of N = 20,000 draws over ~20 tokens is ~0.01
-    for position, exact in ((0, p1), (1, p2)):
-        empirical = torch.bincount(completion_ids[:, position], minlength=V).float() / N
-        assert 0.5 * (empirical - exact).abs().sum().item() < tolerance, position
-    for left_out in ("repetition_penalty", "temperature", "top_k", "top_p"):  # each setting is visible at this size
-        neutral = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": V, "top_p": 1.0}[left_out]
-        other = _next_token_probs(model, prompt, {**settings, left_out: neutral})[0]
-        assert 0.5 * (other - p1).abs().sum().item() > 3 * tolerance, left_out
+# Logging (the sampled distribution is tested for every engine in test_fast_paths.py)
 
 
 def test_the_first_compiled_step_of_a_bucket_reports_its_compile_time_once(tokenizer, caplog):

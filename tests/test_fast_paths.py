@@ -11,7 +11,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo_hf.rollout import generate, sample_categorical, sample_groups, supports_sample_groups, tokenize_prompts
+from grpo_hf.rollout import (
+    engine_class,
+    generate,
+    sample_categorical,
+    sample_groups,
+    supports_sample_groups,
+    tokenize_prompts,
+)
 
 
 def _prompts(tokenizer):
@@ -100,7 +107,8 @@ def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_sample_groups_draws_from_the_models_distribution(tokenizer):
+@pytest.mark.parametrize("engine", ["loop", "cuda_graph"])
+def test_engines_draw_from_the_models_distribution(tokenizer, engine):
     """The first two sampled tokens of 20,000 rows follow the exact distribution (repetition penalty, temperature,
     top-k, top-p, EOS -> pad), computed token by token from the model; leaving out any one setting would be far off."""
     model = build_tiny_model(tokenizer, seed=8).eval()
@@ -118,7 +126,8 @@ def test_sample_groups_draws_from_the_models_distribution(tokenizer):
     N = 20_000
     config = GenerationConfig(max_new_tokens=2, do_sample=True, pad_token_id=pad, eos_token_id=[eos], **settings)
     torch.manual_seed(0)
-    completion_ids = sample_groups(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1)).long(), config, [eos])
+    sampler = engine_class(engine)(config, [eos])  # cuda_graph runs its decode step eagerly on the CPU
+    completion_ids = sampler.sample(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1)).long())
 
     def total_variation(p, q):
         return 0.5 * (p - q).abs().sum().item()

@@ -33,8 +33,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_hf.rollout.engine import RolloutEngine
-from grpo_hf.rollout.prompts import prompt_runs
-from grpo_hf.rollout.sampling import resolve_sampling_settings, sample_categorical, unsupported_reason
+from grpo_hf.rollout.sampling import (
+    prefill_distinct_prompts,
+    resolve_sampling_settings,
+    sample_categorical,
+    unsupported_reason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -406,22 +410,8 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, with_seen, 
 def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """Forward each distinct prompt once (eagerly): last-position logits [U, V], their `DynamicCache`, and the index
     [N] of each row's distinct prompt."""
-    runs = prompt_runs(prompt_ids, prompt_mask)
-    counts = torch.tensor([stop - start for start, stop in runs], device=prompt_ids.device)  # [U]
-    rows = torch.arange(len(runs), device=prompt_ids.device).repeat_interleave(counts)  # [N]
-    starts = [start for start, _ in runs]
-    unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
-    # Positions as `generate` numbers them: the first real prompt token is 0, padding gets 1.
-    position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
     cache = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=unique_ids,
-        attention_mask=unique_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [U, V]
+    logits, rows = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache)  # [U, V], [N]
     return logits, cache, rows
 
 

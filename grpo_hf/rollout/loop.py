@@ -17,9 +17,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
-from grpo_hf.rollout.prompts import prompt_runs
 from grpo_hf.rollout.sampling import (
     logits_processors,
+    prefill_distinct_prompts,
     resolve_sampling_settings,
     sample_categorical,
     unsupported_reason,
@@ -114,29 +114,12 @@ def sample_groups(
     N, P = prompt_ids.shape
     T = generation_config.max_new_tokens
     device = prompt_ids.device
-    runs = prompt_runs(prompt_ids, prompt_mask)
-    counts = torch.tensor([stop - start for start, stop in runs], device=device)  # [U]
-    starts = [start for start, _ in runs]
-    unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
-
     cache = _preallocated_cache(model.config, P + T)
-    # Positions as `generate` numbers them: the first real prompt token is 0, padding gets 1.
-    position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
-    logits = (
-        model(
-            input_ids=unique_ids,
-            attention_mask=unique_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        .logits[:, -1]
-        .float()
-    )  # [U, V]
-    if len(runs) < N:
-        _take_cache_rows(cache, torch.arange(len(runs), device=device).repeat_interleave(counts))
-        logits = logits.repeat_interleave(counts, dim=0)  # [N, V]
+    logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache)  # [U, V], [N]
+    logits = logits.float()
+    if logits.size(0) < N:
+        _take_cache_rows(cache, prompt_of_row)
+        logits = logits[prompt_of_row]  # [N, V]
 
     eos = torch.tensor(list(eos_token_ids), device=device)
     pad = generation_config.pad_token_id
@@ -163,16 +146,18 @@ def sample_groups(
             _take_cache_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
             processors = logits_processors(generation_config, prompt_mask[rows])
-        logits = (
-            model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask[rows, : P + t + 1],
-                position_ids=next_position[rows] + t,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            .logits[:, -1]
-            .float()
-        )  # [A, V]
+        logits = _next_logits(model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache)
     return sequences[:, P : P + t + 1]  # [N, T]
+
+
+def _next_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache):
+    """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache extended."""
+    output = model(
+        input_ids=tokens[:, None],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return output.logits[:, -1].float()

@@ -18,6 +18,8 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from grpo_hf.core import prompt_runs
+
 # Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
 # model's `generation_config` sets one (transformers' global defaults).
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
@@ -132,3 +134,26 @@ def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None)
     index = torch.searchsorted(cdf, uniform.to(dtype) * cdf[:, -1:], right=True).squeeze(1)  # [N]
     last_positive = probs.size(-1) - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]
     return torch.minimum(index, last_positive)
+
+
+def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache):
+    """Forward each distinct prompt (a run of identical rows, `prompt_runs`) once into `cache`.
+
+    Positions are numbered as `generate` numbers them (the first real token is 0, left padding gets 1).
+    Returns the last position's logits [U, V] and, for each of the N rows, the index of its prompt [N].
+    """
+    runs = prompt_runs(prompt_ids, prompt_mask)
+    counts = torch.tensor([stop - start for start, stop in runs], device=prompt_ids.device)  # [U]
+    rows = torch.arange(len(runs), device=prompt_ids.device).repeat_interleave(counts)  # [N]
+    starts = [start for start, _ in runs]
+    unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
+    position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
+    logits = model(
+        input_ids=unique_ids,
+        attention_mask=unique_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [U, V]
+    return logits, rows
