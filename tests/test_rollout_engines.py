@@ -125,3 +125,40 @@ def test_config_checks_the_engine_name_and_the_old_alias(tmp_path):
     assert GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, use_cpu=True).rollout_engine == "generate"
     with pytest.raises(ValueError, match="Keep only rollout_engine"):
         GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, rollout_engine="loop", use_cpu=True)
+
+
+def test_cuda_graph_engine_follows_the_weights_the_optimizer_writes_in_place(tmp_path, tokenizer):
+    """bf16 weights + fp32 master weights: after optimizer steps the engine's reused buffers sample the new policy."""
+    model = build_tiny_model(tokenizer, hidden_size=64).to(torch.bfloat16)
+    initial = [p.detach().clone() for p in model.parameters()]
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        learning_rate=1e-3,
+        bf16=True,
+        rollout_engine="cuda_graph",  # on the CPU its decode step runs eagerly; the buffers are reused all the same
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+    )
+    dataset = Dataset.from_dict({"prompt": ["Hi", "Hello there"] * 4})
+    reward = lambda completion_ids, **kw: [float(sum(ids) % 5) for ids in completion_ids]  # noqa: E731
+    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    assert trainer.rollout.name == "cuda_graph" and trainer.precision_guard.masters is not None
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))  # the policy moved
+
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["Hi"] * 4 + ["Hello there"] * 4)
+    argmax = _config(tokenizer, top_k=1, max_new_tokens=6)
+    trainer.rollout.generation_config = argmax  # the same engine object, its buffers from training reused
+    ours = trainer.rollout.generate(model, prompt_ids, prompt_mask)
+    reference = RolloutEngine.generate(
+        GenerateEngine(argmax, [tokenizer.eos_token_id]), model, prompt_ids, prompt_mask
+    )
+    width = min(ours.completion_ids.size(1), reference.completion_ids.size(1))
+    mask = ours.completion_mask[:, :width]
+    assert torch.equal(mask, reference.completion_mask[:, :width])
+    assert torch.equal(ours.completion_ids[:, :width] * mask, reference.completion_ids[:, :width] * mask)
