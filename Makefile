@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # install the torch build you want first, or override: make install TORCH_SPEC="torch>=2.6"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint format bench
+.PHONY: install demo test lint format bench bench-gpu
 
 install: $(VENV)/.installed
 
@@ -35,3 +35,8 @@ bench: install
 	$(PY) benchmarks/bench_rewards.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
+
+# On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the bf16 learning check.
+bench-gpu: install
+	$(PY) benchmarks/gpu_vs_trl.py
+	$(PY) benchmarks/bf16_learning.py
