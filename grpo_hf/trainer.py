@@ -42,6 +42,7 @@ from grpo_hf.logprobs import (
     supports_shared_prefix,
 )
 from grpo_hf.models import build_models
+from grpo_hf.parallel import average_gradients
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs
 from grpo_hf.rewards import compute_rewards, reward_func_name
@@ -198,6 +199,7 @@ class GRPOTrainer(Trainer):
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
+        self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
         self.add_callback(_AfterOptimizerStep(self))
 
     def _place_ref_model(self, ref_model):
@@ -486,20 +488,24 @@ class GRPOTrainer(Trainer):
         }
 
     def _can_share_prefix(self, model: nn.Module) -> bool:
-        """Whether `logprobs.shared_prefix_logps` applies: the option is on, the model is the bare module (its
-        wrapper's forward would be bypassed under DDP/FSDP/DeepSpeed), it is not gradient-checkpointed
-        (checkpointed layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
+        """Whether `logprobs.shared_prefix_logps` applies: the option is on, the model is the bare module or wrapped
+        by DDP only (whose forward the fast path bypasses: `training_step` then averages the gradients itself; FSDP
+        and DeepSpeed shard the weights), it is not gradient-checkpointed (checkpointed layers drop the KV cache)
+        and its architecture qualifies (`supports_shared_prefix`)."""
         if not self.args.share_prompt_prefix or self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return False
-        if self.accelerator.unwrap_model(model) is not model:
+        module = self.accelerator.unwrap_model(model)
+        if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
             return False
-        if model.training and any(getattr(module, "gradient_checkpointing", False) for module in model.modules()):
+        if module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.modules()):
             return False
-        return supports_shared_prefix(model)
+        return supports_shared_prefix(module)
 
     def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time."""
-        return logps_in_chunks(model, batch, self.args.per_device_train_batch_size, **self._logprob_kwargs(model))
+        """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time (under autocast: the fast
+        path calls the decoder and LM head directly, not the autocast-wrapped forward)."""
+        with self.accelerator.autocast():
+            return logps_in_chunks(model, batch, self.args.per_device_train_batch_size, **self._logprob_kwargs(model))
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -513,20 +519,32 @@ class GRPOTrainer(Trainer):
         self._micro_step += 1
 
         kwargs = self._logprob_kwargs(model)
-        if args.backward_per_group and kwargs["share_prefix"] and self.accelerator.num_processes == 1:
-            del kwargs["share_prefix"]
-            loss, loss_metrics, entropy = backward_per_group(
-                model, batch, lambda logps: self._loss(logps, batch), self._backward_early, **kwargs
-            )
-        else:
-            logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
-            loss, loss_metrics = self._loss(logps, batch)
+        if kwargs["share_prefix"]:  # the bare module: a DDP wrapper's forward is bypassed (see `training_step`)
+            model = self.accelerator.unwrap_model(model)
+            self._average_gradients = self.accelerator.num_processes > 1
+        with self.accelerator.autocast():
+            if args.backward_per_group and kwargs["share_prefix"]:
+                del kwargs["share_prefix"]
+                loss, loss_metrics, entropy = backward_per_group(
+                    model, batch, lambda logps: self._loss(logps, batch), self._backward_early, **kwargs
+                )
+            else:
+                logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
+                loss, loss_metrics = self._loss(logps, batch)
         mask = batch["completion_mask"]
         metrics = self._metrics["train"]
         for key, value in loss_metrics.items():
             metrics[key].append(value)
         mask_f = mask.float()
         metrics["entropy"].append(((entropy * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step; when the fast path bypassed DDP's forward (so its reducer saw no backward), the gradients
+        are averaged over the processes here, once per optimizer step, before Trainer clips them."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._average_gradients and self.accelerator.sync_gradients:
+            average_gradients(self.accelerator.unwrap_model(model).parameters())
         return loss
 
     def _loss(self, logps: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -148,3 +148,33 @@ def test_master_weights_survive_a_state_dict_round_trip_exactly():
     for a, b in zip(masters.masters, resumed_masters.masters, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the fp32 values, not the rounded ones, came back
     assert all(m.dtype == torch.float32 for m in masters.masters) and len(masters) == 2
+
+
+def test_fp32_weights_with_bf16_train_the_fast_path_under_autocast(tmp_path, tokenizer):
+    """The shared-prefix path calls the decoder and LM head directly, not the autocast-wrapped forward: it must
+    still compute in bf16 when bf16=True (fp32 weights), as the padded forward would."""
+    model = build_tiny_model(tokenizer, hidden_size=64)
+    seen = set()
+    layer = model.model.layers[0].self_attn.q_proj
+    layer.register_forward_hook(
+        lambda module, inputs, output: seen.add(output.dtype) if torch.is_grad_enabled() else None
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        bf16=True,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+    )
+    reward = lambda completion_ids, **kw: [float(len(ids)) for ids in completion_ids]  # noqa: E731
+    trainer = GRPOTrainer(
+        model, reward, args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer
+    )
+    assert trainer._can_share_prefix(model)
+    trainer.train()
+    assert seen == {torch.bfloat16}  # the policy's forward with gradients ran under autocast
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and trainer.precision_guard.masters is None

@@ -1,5 +1,8 @@
 """One GRPO step on fixed rollouts, run under torchrun with 1 or 2 CPU processes (gloo).
 
+    python tests/distributed/grpo_step.py OUT.pt {grpo|dapo} {1|2 accumulation steps} {fast|padded}
+
+
 Generation is replaced by a deterministic function of the *global* row index, so every process
 layout sees the same completions; everything after it (rewards, gather, advantages, loss, DDP
 backward, optimizer step) is the real trainer. Writes advantages, loss and parameters to argv[1].
@@ -37,7 +40,7 @@ class FixedEngine(RolloutEngine):
         return completion_ids.to(prompt_ids.device)
 
 
-def main(out_path: str, loss_type: str) -> None:
+def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
     register_engine("fixed", FixedEngine)
     # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
     # the process count comes from torchrun's environment here.
@@ -51,13 +54,15 @@ def main(out_path: str, loss_type: str) -> None:
 
     args = GRPOConfig(
         output_dir=str(Path(out_path).parent / "run"),
-        per_device_train_batch_size=GLOBAL_BATCH // world_size,
+        per_device_train_batch_size=GLOBAL_BATCH // world_size // accumulation,
+        gradient_accumulation_steps=accumulation,
+        share_prompt_prefix=fast,  # the fast path (shared prompt, per-group backward) bypasses DDP's forward
         num_generations=G,
         max_completion_length=T,
         max_steps=1,
         optim="sgd",
-        learning_rate=1.0,
-        max_grad_norm=0.0,
+        learning_rate=100.0,
+        max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
         loss_type=loss_type,
         beta=0.04,
         shuffle_dataset=False,
@@ -75,11 +80,12 @@ def main(out_path: str, loss_type: str) -> None:
     if trainer.accelerator.is_main_process:
         loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        torch.save({"advantages": all_advantages, "loss": loss, "params": params}, out_path)
+        fast_path = trainer._can_share_prefix(trainer.model_wrapped)
+        torch.save({"advantages": all_advantages, "loss": loss, "params": params, "fast_path": fast_path}, out_path)
     # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fast")
