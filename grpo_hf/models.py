@@ -238,8 +238,13 @@ def build_models(
     model_id = model if isinstance(model, str) else None
     if isinstance(model, str):
         model = load_model(model, **kwargs)
+    elif _is_peft_model(model):
+        if peft_config is not None:
+            raise ValueError("model is already a PeftModel: pass peft_config=None, or pass the base model.")
     elif not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a model id/path or a PreTrainedModel, got {type(model).__name__}.")
+        raise TypeError(
+            f"model must be a model id/path, a PreTrainedModel or a peft.PeftModel, got {type(model).__name__}."
+        )
     if processing_class is None:
         processing_class = load_tokenizer(model_id or model.config._name_or_path)
     processing_class.padding_side = "left"

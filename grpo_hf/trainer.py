@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -75,17 +74,22 @@ def _reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tens
 
 
 def _check_datasets(train_dataset, eval_dataset) -> None:
-    """Each given dataset has a `prompt` column and at least one row."""
-    for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        if dataset is None:
-            continue
+    """A train dataset is given; each dataset (each split of a dict of them) has a `prompt` column and rows."""
+    if train_dataset is None:
+        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+    named = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict):  # DatasetDict / IterableDatasetDict / a plain dict: Trainer evaluates each
+        named += [(f"eval_dataset[{key!r}]", split) for key, split in eval_dataset.items()]
+    elif eval_dataset is not None:
+        named.append(("eval_dataset", eval_dataset))
+    for split, dataset in named:
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(
                 f"{split} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
                 "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
             )
-        if len(dataset) == 0:
+        if hasattr(dataset, "__len__") and len(dataset) == 0:
             raise ValueError(f"{split} is empty: it needs at least one prompt.")
 
 
@@ -281,8 +285,6 @@ class GRPOTrainer(Trainer):
         )
 
     def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise ValueError("GRPOTrainer: training requires a train_dataset.")
         # Each dataloader batch is this process's share of a whole generation batch; the sampler
         # repeats it once per micro-step it serves (see RepeatSampler).
         return self._get_dataloader(
@@ -385,10 +387,9 @@ class GRPOTrainer(Trainer):
         """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
         valid = ~torch.isnan(total)
         if valid.sum() == 0:
-            warnings.warn(
-                "Every reward function returned None for every completion of this batch; its advantages are 0 "
-                "and it does not move the policy. Check that the reward functions apply to this dataset.",
-                stacklevel=3,
+            logger.warning(
+                "All reward functions returned None for every completion of this batch; its advantages are 0 and it "
+                "does not move the policy. Please ensure that at least one reward function returns a valid reward."
             )
         metrics["reward"].append(total[valid].mean().item() if valid.any() else float("nan"))
         for k, name in enumerate(self.reward_func_names):
@@ -595,7 +596,11 @@ class GRPOTrainer(Trainer):
             )
             if self.accelerator.num_processes > 1:  # every process logs at the same step
                 means = self.accelerator.reduce(means, "mean")
-            prefix = "eval_" if mode == "eval" else ""
+            # Evaluation metrics take Trainer's prefix: "eval_", or "eval_<split>_" for a dict of eval datasets.
+            runtime = next(
+                (key for key in logs if key.startswith("eval_") and key.endswith("_runtime")), "eval_runtime"
+            )
+            prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
             logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
         collected.clear()
         if mode == "train" and self.args.log_completions and self._completion_rows:
