@@ -8,12 +8,17 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from transformers import TrainingArguments
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+from grpo_hf.core import check_loss_settings
+
+logger = logging.getLogger(__name__)
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_sum"]
 RewardErrorPolicy = Literal["raise", "skip"]
@@ -129,7 +134,9 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "'grpo': mean over sequences of the per-sequence token mean (DeepSeekMath). 'bnpo': token mean "
             "over the local batch. 'dr_grpo': token sum / (N x max_completion_length) (Dr. GRPO). 'dapo': token sum "
-            "/ completion tokens in the whole global batch (DAPO)."
+            "/ completion tokens in the whole global batch (DAPO). 'cispo': clipped, detached IS weight x A x "
+            "log-prob (MiniMax-M1; epsilon_high is the cap). 'sapo': a sigmoid-gated soft clip (SAPO). 'luspo': GSPO "
+            "weighted by length. 'vespo': a smooth sequence-level weight (VESPO). Formulas: grpo_hf/core.py."
         },
     )
     scale_rewards: ScaleRewards = field(
@@ -139,6 +146,30 @@ class GRPOConfig(TrainingArguments):
             "(Dr. GRPO). `True`/`False` are accepted as 'group'/'none'."
         },
     )
+    delta: float | None = field(
+        default=None,
+        metadata={"help": "Two-sided clipping (INTELLECT-2): the ratio is also capped at delta (> 1 + epsilon_high)."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "Multiply the KL term by the importance ratio (DeepSeek-V3.2), which corrects it off-policy. "
+            "TRL defaults it to True; False keeps DeepSeekMath's k3 term."
+        },
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Drop the policy term of negative-advantage sequences whose mean log(pi_old / pi_theta) exceeds "
+            "this (DeepSeek-V3.2 off-policy sequence masking). None: off."
+        },
+    )
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature for A > 0."})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature for A <= 0."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO shape k for A >= 0."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO rate lambda for A >= 0."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO shape k for A < 0."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO rate lambda for A < 0."})
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function. `None`: all 1.0."}
     )
@@ -290,6 +321,8 @@ class GRPOConfig(TrainingArguments):
                 "(a token aggregation) does not apply. Set loss_type='grpo' or use importance_sampling_level="
                 "'token'/'sequence'."
             )
+        for message in check_loss_settings(**{name: getattr(self, name) for name in _LOSS_SETTINGS}):
+            logger.warning(message)
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
@@ -342,6 +375,22 @@ class GRPOConfig(TrainingArguments):
                 "cannot hold whole groups. Change per_device_train_batch_size, gradient_accumulation_steps / "
                 "steps_per_generation, or num_generations."
             )
+
+
+# GRPOConfig fields that `core.check_loss_settings` checks (it takes the same names).
+_LOSS_SETTINGS = (
+    "loss_type",
+    "importance_sampling_level",
+    "epsilon",
+    "epsilon_high",
+    "max_completion_length",
+    "delta",
+    "off_policy_mask_threshold",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_lambda_pos",
+    "vespo_lambda_neg",
+)
 
 
 def as_dict(value, name: str) -> dict:

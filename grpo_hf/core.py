@@ -65,15 +65,58 @@ Aggregation (_aggregate; sequence_sum in grpo_loss), loss = -J
   dapo:     J = sum m l / (tokens of the global batch)     `masked.sum() / num_items`
   sequence_sum: J = mean_i l_i                             `torch.where(lengths > 0, objective, 0.0).mean()`
   loss = -J                                                `return -objective, metrics`
+
+Loss variants and objective terms of TRL 1.16
+---------------------------------------------
+A loss type is a per-token surrogate l[i,t] (the objective to maximise) plus an aggregation: `LOSS_VARIANTS`.
+r is the ratio of `importance_sampling_level` (rho[i,t] or s_i broadcast over t), sg() stops the gradient,
+A = A_i, m = completion mask. Each entry: formula (source), then the function that computes it.
+  grpo, bnpo, dr_grpo, dapo, luspo: l = min(min(r, delta) A, clip(r, 1-eps_low, 1+eps_high) A)    _clipped_objective
+  cispo: l = sg(min(r, eps_high)) A log pi_theta  (MiniMax-M1 arXiv:2506.13585, ScaleRL 2510.13786)  _cispo_surrogate
+  sapo:  l = sigmoid(tau (r - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg  (SAPO 2511.20347)  _sapo_surrogate
+  vespo: l = sg(phi_i) A log pi_theta, phi_i = w_i^k exp(lambda (1 - w_i)), w_i = prod_t (pi / pi_old)[i,t],
+         (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A >= 0 else the _neg pair  (VESPO 2602.10693)
+                                                                                                    _vespo_surrogate
+  aggregation: grpo, sapo: mean_i (sum_t m l / |o_i|); dapo, cispo, vespo: sum m l / (global tokens); bnpo and
+         dr_grpo as above; luspo: J = mean_i sum_t m l = GSPO's l_i weighted by |o_i| (LUSPO 2602.05261)  _aggregate
+Terms that apply to every loss type, off by default:
+  delta: min(r, delta) in the unclipped term above, two-sided clipping (INTELLECT-2 2505.07291)    _clipped_objective
+  off_policy_mask_threshold = d:  l[i,t] <- M_i l[i,t],  M_i = 0 if A_i < 0 and sum_t m log(pi_old / pi_theta)
+         / |o_i| > d, else 1  (DeepSeek-V3.2 arXiv:2512.02556, eq. 9)                                 _off_policy_mask
+  use_bias_correction_kl: KL[i,t] <- r KL[i,t], r with its gradient; sequence_sum: KL_i <- s_i KL_i
+         (DeepSeek-V3.2's unbiased KL estimate)                                                             grpo_loss
+  l = surrogate * M - beta KL, then the aggregation of the loss type; loss = -J.
+Where TRL 1.16, and so this code, departs from the papers:
+- cispo: the weight is capped at `epsilon_high` itself (ScaleRL's eps_max, recommended 5), not at 1 + eps_high,
+  and has no lower bound; MiniMax-M1 writes clip(r, 1 - eps_low^IS, 1 + eps_high^IS) with a token mask M that
+  is not implemented. `epsilon_high=None` falls back to `epsilon` (a cap of 0.2): `check_loss_settings` warns.
+  The loss value contains log pi_theta, so it is not comparable across loss types; its gradient is.
+- vespo: the clamps of the authors' code: each token's log-ratio to [-20, 20], log w_i to [log 1e-8, 20],
+  lambda >= 1e-4, a NaN/inf phi -> 0; phi is computed as exp(lambda + k log w - lambda w). TRL's extra factor
+  for vLLM sampling (its `importance_sampling_ratio`) does not exist here: there is no vLLM engine yet.
+- delta: TRL caps r for every advantage; with delta > 1 + eps_high this changes only A < 0 terms, as in
+  INTELLECT-2. The clip-ratio metrics use r before the cap (TRL: after; equal when delta > 1 + eps_high).
+- off-policy mask: pi_old is `old_logps` (TRL prefers vLLM's sampling log-probs when it has them); M_i scales
+  the policy term only, the KL term stays (TRL). Any importance-sampling level and loss type.
+- use_bias_correction_kl: "sequence" multiplies the per-token KL by s_i (TRL; the unbiased property holds for
+  "token"); "sequence_sum" (not in TRL) uses the joint ratio s_i on the sequence KL_i. The "kl" metric is the
+  corrected one (TRL). TRL's config defaults it to True; here the default is False (unchanged loss).
+- sapo, vespo: TRL builds the temperatures and (k, lambda) as float32 tensors; here they are in the dtype of
+  `logps` (identical in float32).
+- luspo and vespo at other importance-sampling levels than the papers' ("sequence", "token") run as TRL runs
+  them, with a warning from `check_loss_settings`.
 """
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # DESIGN.md §5's four; every loss type: `tuple(LOSS_VARIANTS)`
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -290,6 +333,15 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | Tensor | None = None,
+    delta: float | None = None,
+    use_bias_correction_kl: bool = False,
+    off_policy_mask_threshold: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, KL-regularised GRPO loss of DESIGN.md §5 and its metrics: returns `(-J, metrics)`.
 
@@ -299,69 +351,108 @@ def grpo_loss(
         ref_logps: `[N, T]` log pi_ref of the reference model; None is allowed only with `beta == 0`.
         advantages: `[N]` from `group_advantages`.
         completion_mask: `[N, T]` float or bool, 1 on completion tokens up to and including EOS.
-        loss_type: how per-token terms become J: "grpo", "bnpo", "dr_grpo" or "dapo" (see the module map).
+        loss_type: the per-token surrogate and how per-token terms become J (`LOSS_VARIANTS`): "grpo", "bnpo",
+            "dr_grpo", "dapo" (DESIGN.md §5), or TRL 1.16's "cispo", "sapo", "luspo", "vespo" (module docstring).
         epsilon, epsilon_high: clip range [1 - epsilon, 1 + epsilon_high]; `epsilon_high` defaults to `epsilon`.
+            For "cispo", `epsilon_high` is the cap of the importance weight itself (TRL; ScaleRL's eps_max).
         beta: weight of the k3 KL to the reference. At 0 the KL is not computed at all.
         importance_sampling_level: "token" (rho per token), "sequence" (GSPO s_i, length-normalised) or
             "sequence_sum" (DeepSeek-V2/V3 joint ratio with a sequence-level KL; needs `loss_type="grpo"`).
         max_completion_length: the `dr_grpo` constant (required for it).
         num_items_in_batch: the `dapo` denominator: completion tokens of the whole global batch (all processes
             and accumulation slices), so that summing the slices' losses gives the full batch's loss.
-            None uses the local `completion_mask.sum()`.
+            None uses the local `completion_mask.sum()`. "cispo" and "vespo" aggregate like "dapo".
+        delta: INTELLECT-2's two-sided clip, the unclipped ratio capped at `delta` (clip family); None: off.
+        use_bias_correction_kl: KL -> ratio * KL (DeepSeek-V3.2's unbiased KL; TRL's config default is True).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask: drop the policy term of sequences with
+            A < 0 whose mean log(pi_old / pi_theta) exceeds it; None: off.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's kernel for A >= 0 and A < 0.
 
     `old_logps`, `ref_logps` and `advantages` are detached here: no gradient flows into them. Computed in the
-    dtype of `logps`. Metrics (python floats, TRL names): "kl" (only when beta != 0; masked token mean, or
-    mean_i KL_i for sequence_sum), and "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean":
-    the fraction of completion tokens whose ratio is clipped below with A < 0, above with A > 0, or either.
+    dtype of `logps`. Impossible settings raise (`check_loss_settings`; its warnings are the caller's to show).
+    Metrics (python floats, TRL names): "kl" (only when beta != 0; masked token mean, or mean_i KL_i for
+    sequence_sum; after the bias correction, as TRL logs it), and per loss type: "clip_ratio/low_mean",
+    "clip_ratio/high_mean", "clip_ratio/region_mean" (clip family: the fraction of completion tokens whose ratio
+    is clipped below with A < 0, above with A > 0, or either), "cispo_clip_ratio", "vespo/phi_seq_mean"; none
+    for "sapo".
     """
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    check_loss_settings(
+        loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        max_completion_length=max_completion_length,
+        delta=delta,
+        off_policy_mask_threshold=off_policy_mask_threshold,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_lambda_neg=vespo_lambda_neg,
+    )
     _check_shapes(logps, old_logps, ref_logps, advantages, completion_mask)
-    if importance_sampling_level == "sequence_sum" and loss_type != "grpo":
-        raise ValueError(
-            f"importance_sampling_level='sequence_sum' has its own per-sequence objective (loss = -mean_i l_i) and "
-            f"works only with loss_type='grpo', got loss_type={loss_type!r}"
-        )
     if beta != 0 and ref_logps is None:
         raise ValueError(f"ref_logps is None but beta={beta}: pass the reference log-probs, or set beta=0 (no KL)")
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' normalises by N * max_completion_length: pass max_completion_length")
-    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
+    knobs = LossKnobs(
+        epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+    )
 
     mask = completion_mask.to(logps.dtype)  # [N, T]
     lengths = mask.sum(-1)  # [N]  |o_i|
-    advantages = advantages.detach().to(logps.dtype)  # [N]
+    advantages = advantages.detach().to(logps.dtype)[:, None]  # [N, 1]
     old_logps = logps.detach() if old_logps is None else old_logps.detach().to(logps.dtype)  # [N, T]
     log_ratio = logps - old_logps  # [N, T]
     log_ref_ratio = None if beta == 0 else ref_logps.detach().to(logps.dtype) - logps  # [N, T]  x = ref - logps
+    per_sequence = importance_sampling_level == "sequence_sum"  # one objective l_i per sequence, J = mean_i l_i
 
-    kl = None
-    if importance_sampling_level == "sequence_sum":
-        ratio = torch.exp(_masked_sum(log_ratio, mask))  # [N]  s_i = pi(o_i) / pi_old(o_i)
-        objective = _clipped_objective(ratio, advantages, eps_low, eps_high)  # [N]
-        if beta != 0:
-            kl = _k3(_masked_sum(log_ref_ratio, mask))  # [N]  KL_i with d_i = sum_t m (ref - logps)
-            objective = objective - beta * kl
-        objective = torch.where(lengths > 0, objective, 0.0).mean()  # J = mean_i l_i
-        ratio = ratio[:, None]  # [N, 1] for the clip metrics
+    if importance_sampling_level == "token":
+        ratio = torch.exp(log_ratio)  # [N, T]  rho
+    elif importance_sampling_level == "sequence":
+        ratio = torch.exp(_masked_sum(log_ratio, mask) / lengths.clamp(min=1))[:, None]  # [N, 1]  GSPO s_i
     else:
-        if importance_sampling_level == "token":
-            ratio = torch.exp(log_ratio)  # [N, T]  rho
-        else:
-            ratio = torch.exp(_masked_sum(log_ratio, mask) / lengths.clamp(min=1))[:, None]  # [N, 1]  GSPO s_i
-        objective = _clipped_objective(ratio, advantages[:, None], eps_low, eps_high)  # [N, T]
-        if beta != 0:
-            kl = _k3(log_ref_ratio)  # [N, T]
-            objective = objective - beta * kl
-        objective = _aggregate(objective, mask, loss_type, max_completion_length, num_items_in_batch)
+        ratio = torch.exp(_masked_sum(log_ratio, mask))[:, None]  # [N, 1]  s_i = pi(o_i) / pi_old(o_i)
 
-    metrics = _metrics(ratio, advantages[:, None], mask, kl, eps_low, eps_high)
+    variant = LOSS_VARIANTS[loss_type]
+    objective, values = variant.surrogate(ratio, advantages, logps, log_ratio, mask, knobs)  # [N, T] or [N, 1]
+    if off_policy_mask_threshold is not None:
+        objective = objective * _off_policy_mask(log_ratio, advantages, mask, off_policy_mask_threshold)  # M_i
+    if beta != 0:
+        if per_sequence:
+            kl = _k3(_masked_sum(log_ref_ratio, mask))[:, None]  # [N, 1]  KL_i with d_i = sum_t m (ref - logps)
+        else:
+            kl = _k3(log_ref_ratio)  # [N, T]
+        if use_bias_correction_kl:
+            kl = kl * ratio  # DeepSeek-V3.2: the importance-weighted KL, its gradient flows through the ratio too
+        objective = objective - beta * kl
+        values["kl"] = kl.detach().mean() if per_sequence else _token_mean(kl, mask)
+    if per_sequence:
+        objective = objective.squeeze(-1)  # [N]  l_i
+        objective = torch.where(lengths > 0, objective, 0.0).mean()  # J = mean_i l_i
+    else:
+        objective = _aggregate(objective, mask, variant.aggregation, max_completion_length, num_items_in_batch)
+
+    metrics = _to_floats(values)
     return -objective, metrics
 
 
-def _clipped_objective(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A): the PPO surrogate, elementwise."""
+def _clipped_objective(
+    ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, delta: float | None = None
+) -> Tensor:
+    """min(min(ratio, delta) A, clip(ratio, 1 - eps_low, 1 + eps_high) A): the PPO surrogate, elementwise.
+
+    `delta` (INTELLECT-2's two-sided clipping; None: off) caps the unclipped ratio, so that a token with A < 0
+    and a large ratio contributes at most delta * |A|, with no gradient beyond it."""
     clamped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
     return torch.min(ratio * advantages, clamped * advantages)
 
 
@@ -378,44 +469,249 @@ def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 def _aggregate(
     per_token: Tensor,
     mask: Tensor,
-    loss_type: str,
+    aggregation: str,
     max_completion_length: int | None,
     num_items_in_batch: int | float | Tensor | None,
 ) -> Tensor:
-    """J from the per-token objective l `[N, T]`: sum_{i,t} m l over the normaliser of `loss_type`."""
+    """J from the per-token objective l `[N, T]` (or `[N, 1]`, broadcast): sum_{i,t} m l over a normaliser.
+
+    `aggregation` is named after the loss type that introduced it (`LOSS_VARIANTS` maps every loss type to one).
+    """
     masked = per_token * mask  # [N, T]
-    if loss_type == "grpo":  # mean_i (sum_t m l / |o_i|); an empty row contributes 0
+    if aggregation == "grpo":  # mean_i (sum_t m l / |o_i|); an empty row contributes 0
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    if loss_type == "bnpo":  # tokens of the local batch
+    if aggregation == "bnpo":  # tokens of the local batch
         return masked.sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":  # the local generation budget, a constant
+    if aggregation == "dr_grpo":  # the local generation budget, a constant
         return masked.sum() / (mask.shape[0] * max_completion_length)
+    if aggregation == "luspo":  # mean_i sum_t m l: each sequence weighted by its length
+        return masked.sum(-1).mean()
     # dapo: completion tokens of the global batch, all processes and accumulation slices
     num_items = mask.sum() if num_items_in_batch is None else num_items_in_batch
     num_items = torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device).clamp(min=1)
     return masked.sum() / num_items
 
 
-@torch.no_grad()
-def _metrics(
-    ratio: Tensor, advantages: Tensor, mask: Tensor, kl: Tensor | None, eps_low: float, eps_high: float
-) -> dict[str, float]:
-    """TRL's clip-ratio metrics (fractions of completion tokens) and the mean KL, with one device sync."""
-    tokens = mask.sum().clamp(min=1)
+# ---------------------------------------------------------------------------------------------------------------
+# Per-token surrogates of the loss types (TRL 1.16 names), the off-policy mask, and the settings check
+# ---------------------------------------------------------------------------------------------------------------
 
-    def token_mean(x: Tensor) -> Tensor:  # x broadcasts to [N, T]
-        return (x * mask).sum() / tokens
 
-    low = (ratio < 1 - eps_low) & (advantages < 0)  # [N, T] or [N, 1]
-    high = (ratio > 1 + eps_high) & (advantages > 0)
-    values = {
-        "clip_ratio/low_mean": token_mean(low),
-        "clip_ratio/high_mean": token_mean(high),
-        "clip_ratio/region_mean": token_mean(low | high),
+@dataclass(frozen=True)
+class LossKnobs:
+    """The numbers a per-token surrogate may read: `grpo_loss`'s keywords, with `epsilon_high` resolved."""
+
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+
+
+Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, LossKnobs], tuple[Tensor, dict[str, Tensor]]]
+"""`(ratio [N, T] or [N, 1], advantages [N, 1], logps [N, T], log_ratio [N, T], mask [N, T], knobs)` ->
+`(l [N, T] or [N, 1], metric tensors)`: the per-token objective to maximise, before the mask, the KL and the
+aggregation. `log_ratio` = logps - old_logps per token, whatever the importance-sampling level of `ratio`."""
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, logps: Tensor, log_ratio: Tensor, mask: Tensor, knobs: LossKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """grpo, bnpo, dr_grpo, dapo, luspo: min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A).
+
+    Metrics: TRL's clip ratios, fractions of completion tokens (of the ratio before the delta cap)."""
+    low = (ratio < 1 - knobs.epsilon_low) & (advantages < 0)  # [N, T] or [N, 1]
+    high = (ratio > 1 + knobs.epsilon_high) & (advantages > 0)
+    metrics = {
+        "clip_ratio/low_mean": _token_mean(low, mask),
+        "clip_ratio/high_mean": _token_mean(high, mask),
+        "clip_ratio/region_mean": _token_mean(low | high, mask),
     }
-    if kl is not None:
-        values["kl"] = kl.mean() if kl.dim() == 1 else token_mean(kl)
+    return _clipped_objective(ratio, advantages, knobs.epsilon_low, knobs.epsilon_high, knobs.delta), metrics
+
+
+def _cispo_surrogate(
+    ratio: Tensor, advantages: Tensor, logps: Tensor, log_ratio: Tensor, mask: Tensor, knobs: LossKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """cispo (MiniMax-M1, as TRL): sg(min(r, epsilon_high)) A log pi_theta; the weight carries no gradient.
+
+    Metric: TRL's "cispo_clip_ratio", the fraction of completion tokens with r > epsilon_high and A > 0."""
+    weight = ratio.detach().clamp(max=knobs.epsilon_high)  # [N, T] or [N, 1]
+    clipped = (ratio > knobs.epsilon_high) & (advantages > 0)
+    return weight * advantages * logps, {"cispo_clip_ratio": _token_mean(clipped, mask)}
+
+
+def _sapo_surrogate(
+    ratio: Tensor, advantages: Tensor, logps: Tensor, log_ratio: Tensor, mask: Tensor, knobs: LossKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """sapo: sigmoid(tau (r - 1)) 4 / tau A, with tau = sapo_temperature_pos where A > 0, else _neg. No metric.
+
+    At r = 1 the gate's slope is 1, so on-policy its gradient is the plain policy gradient A grad log pi."""
+    tau = torch.full_like(advantages, knobs.sapo_temperature_neg)  # [N, 1]
+    tau = tau.masked_fill(advantages > 0, knobs.sapo_temperature_pos)
+    return torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, {}
+
+
+def _vespo_surrogate(
+    ratio: Tensor, advantages: Tensor, logps: Tensor, log_ratio: Tensor, mask: Tensor, knobs: LossKnobs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """vespo: sg(phi(w_i)) A log pi_theta with VESPO's kernel phi(w) = w^k exp(lambda (1 - w)) (phi(1) = 1).
+
+    w_i is the sequence ratio pi(o_i) / pi_old(o_i), not length-normalised, whatever `ratio` is; (k, lambda) are
+    the _pos knobs where A >= 0, else the _neg ones. Computed as exp(lambda + k log w - lambda w) with TRL's
+    clamps: each token's log-ratio to [-20, 20], log w_i to [log 1e-8, 20], lambda >= 1e-4; NaN/inf -> 0.
+    Metric: "vespo/phi_seq_mean", the mean of phi over the sequences that have completion tokens."""
+    with torch.no_grad():
+        log_w = _masked_sum(log_ratio.clamp(-20.0, 20.0), mask).clamp(math.log(1e-8), 20.0)[:, None]  # [N, 1]
+        nonnegative = advantages >= 0  # [N, 1]
+        k = torch.full_like(advantages, knobs.vespo_k_neg).masked_fill(nonnegative, knobs.vespo_k_pos)
+        lam = torch.full_like(advantages, knobs.vespo_lambda_neg).masked_fill(nonnegative, knobs.vespo_lambda_pos)
+        lam = lam.clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        has_tokens = (mask.sum(-1, keepdim=True) > 0).to(phi.dtype)  # [N, 1]
+        phi_mean = (phi * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    return phi * advantages * logps, {"vespo/phi_seq_mean": phi_mean}
+
+
+class LossVariant(NamedTuple):
+    surrogate: Surrogate
+    aggregation: str  # an `_aggregate` mode
+
+
+LOSS_VARIANTS: dict[str, LossVariant] = {
+    "grpo": LossVariant(_clipped_surrogate, "grpo"),
+    "bnpo": LossVariant(_clipped_surrogate, "bnpo"),
+    "dr_grpo": LossVariant(_clipped_surrogate, "dr_grpo"),
+    "dapo": LossVariant(_clipped_surrogate, "dapo"),
+    "luspo": LossVariant(_clipped_surrogate, "luspo"),
+    "cispo": LossVariant(_cispo_surrogate, "dapo"),
+    "sapo": LossVariant(_sapo_surrogate, "grpo"),
+    "vespo": LossVariant(_vespo_surrogate, "dapo"),
+}
+"""loss_type -> (per-token surrogate, aggregation), as TRL 1.16 pairs them. An aggregation of "dapo" divides by
+the global token count `num_items_in_batch`: the trainer must undo its accumulation/process averaging for it."""
+
+
+@torch.no_grad()
+def _off_policy_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask M_i `[N, 1]`, no gradient: 0 where A_i < 0 and the mean over the
+    completion of log(pi_old / pi_theta) exceeds `threshold`, 1 elsewhere."""
+    mean_log_ratio = _masked_sum(-log_ratio, mask) / mask.sum(-1).clamp(min=1)  # [N]  mean_t log(pi_old / pi)
+    keep = (advantages >= 0) | (mean_log_ratio[:, None] <= threshold)  # [N, 1]
+    return keep.to(log_ratio.dtype)
+
+
+@torch.no_grad()
+def _token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` (broadcasting to `[N, T]`) over the completion tokens: a metric, no gradient."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _to_floats(values: dict[str, Tensor]) -> dict[str, float]:
+    """Scalar metric tensors -> python floats with one device sync."""
+    if not values:
+        return {}
     return dict(zip(values, torch.stack(list(values.values())).tolist(), strict=True))
+
+
+def check_loss_settings(
+    *,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    max_completion_length: int | None = None,
+    delta: float | None = None,
+    off_policy_mask_threshold: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_lambda_pos: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+) -> list[str]:
+    """Raise ValueError for loss settings that cannot be computed; return warnings for ones that run but are
+    probably not what was meant (TRL's warnings about loss types and importance-sampling levels, and more).
+
+    Takes `GRPOConfig`'s field names (TRL's), so the config can pass its fields and log what comes back.
+    """
+    _check_choice("loss_type", loss_type, tuple(LOSS_VARIANTS))
+    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    errors = [
+        (
+            importance_sampling_level == "sequence_sum" and loss_type != "grpo",
+            f"importance_sampling_level='sequence_sum' has its own per-sequence objective (loss = -mean_i l_i) and "
+            f"works only with loss_type='grpo', got loss_type={loss_type!r}",
+        ),
+        (
+            LOSS_VARIANTS[loss_type].aggregation == "dr_grpo" and max_completion_length is None,
+            "loss_type='dr_grpo' normalises by N * max_completion_length: pass max_completion_length",
+        ),
+        (
+            loss_type == "sapo" and min(sapo_temperature_pos, sapo_temperature_neg) <= 0,
+            f"sapo_temperature_pos={sapo_temperature_pos} and sapo_temperature_neg={sapo_temperature_neg} must be "
+            "> 0: SAPO's gate is sigmoid(tau (r - 1)) * 4 / tau (the paper uses 1.0 and 1.05)",
+        ),
+        (
+            loss_type == "cispo" and eps_high <= 0,
+            f"loss_type='cispo' caps the importance weight at epsilon_high={eps_high}, which must be > 0 "
+            "(ScaleRL recommends 5.0)",
+        ),
+    ]
+    for failed, message in errors:
+        if failed:
+            raise ValueError(message)
+
+    clip_family = LOSS_VARIANTS[loss_type].surrogate is _clipped_surrogate
+    advice = [
+        (
+            importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"),
+            f"importance_sampling_level='sequence' with loss_type={loss_type!r}: this loss sums per-token terms, so "
+            "each sequence's ratio counts once per completion token, i.e. sequences are weighted by their length "
+            "instead of GSPO's per-sequence objective. For GSPO set loss_type='grpo'.",
+        ),
+        (
+            loss_type == "luspo" and importance_sampling_level != "sequence",
+            f"loss_type='luspo' is GSPO with each sequence weighted by its length: set importance_sampling_level="
+            f"'sequence' as in the LUSPO paper (got {importance_sampling_level!r}).",
+        ),
+        (
+            loss_type == "vespo" and importance_sampling_level != "token",
+            f"loss_type='vespo' computes its own sequence-level weight; importance_sampling_level="
+            f"{importance_sampling_level!r} only changes the ratio of the bias-corrected KL. Use 'token'.",
+        ),
+        (
+            loss_type == "cispo" and 0 < eps_high < 1,
+            f"loss_type='cispo' caps the importance weight at epsilon_high={eps_high} itself (not 1 + epsilon_high): "
+            "every token's gradient is scaled by at most that. With epsilon_high=None it is epsilon. "
+            "Set epsilon_high to the cap you mean (ScaleRL: 5.0).",
+        ),
+        (
+            delta is not None and not clip_family,
+            f"delta={delta} has no effect with loss_type={loss_type!r}: it caps the ratio of the clipped objective "
+            "(grpo, bnpo, dr_grpo, dapo, luspo).",
+        ),
+        (
+            delta is not None and clip_family and delta <= 1 + eps_high,
+            f"delta={delta} <= 1 + epsilon_high={1 + eps_high}: the two-sided clip then also caps positive-"
+            "advantage ratios and no longer bounds negative ones beyond the usual clip. INTELLECT-2 and TRL "
+            "recommend delta > 1 + epsilon_high (e.g. 4).",
+        ),
+        (
+            off_policy_mask_threshold is not None and off_policy_mask_threshold < 0,
+            f"off_policy_mask_threshold={off_policy_mask_threshold} < 0 drops negative-advantage sequences even "
+            "on-policy (their mean log(pi_old / pi_theta) is 0). Use a positive threshold (e.g. 0.5).",
+        ),
+        (
+            loss_type == "vespo" and min(vespo_lambda_pos, vespo_lambda_neg) <= 0,
+            f"vespo_lambda_pos={vespo_lambda_pos}, vespo_lambda_neg={vespo_lambda_neg}: lambda <= 0 is raised to "
+            "1e-4 (TRL), so the kernel barely decays for large ratios.",
+        ),
+    ]
+    return [message for applies, message in advice if applies]
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

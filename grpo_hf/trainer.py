@@ -33,7 +33,7 @@ from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCall
 
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import combine_rewards, group_advantages, grpo_loss, nan_group_std
+from grpo_hf.core import LOSS_VARIANTS, combine_rewards, group_advantages, grpo_loss, nan_group_std
 from grpo_hf.logprobs import (
     backward_per_group,
     completion_logps,
@@ -57,6 +57,18 @@ from grpo_hf.rollout import (
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
+# GRPOConfig fields passed to `core.grpo_loss` as they are (TRL's names).
+_VARIANT_SETTINGS = (
+    "delta",
+    "use_bias_correction_kl",
+    "off_policy_mask_threshold",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
 
 
 def _identity_collator(features: list[dict]) -> list[dict]:
@@ -564,8 +576,9 @@ class GRPOTrainer(Trainer):
             importance_sampling_level=args.importance_sampling_level,
             max_completion_length=args.max_completion_length,
             num_items_in_batch=batch["num_items_in_batch"],
+            **{name: getattr(args, name) for name in _VARIANT_SETTINGS},
         )
-        if args.loss_type == "dapo":
+        if LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: over the global tokens
             # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer
             # divides each micro-batch loss by the accumulation steps and data parallelism averages
             # gradients over processes; undo both so the gradient is exactly that sum / count.

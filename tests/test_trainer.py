@@ -196,7 +196,8 @@ def test_lora_trains_adapters_and_keeps_base_weights(tmp_path, tokenizer, tiny_l
         for scale in ("group", "batch", "none")
         for level in ("token", "sequence", "sequence_sum")
         if not (level == "sequence_sum" and loss != "grpo")
-    ],
+    ]
+    + [(loss, "group", level) for loss in ("cispo", "sapo", "luspo", "vespo") for level in ("token", "sequence")],
 )
 def test_loss_variants_train_to_finite_losses(tmp_path, tokenizer, tiny_llama, loss_type, scale_rewards, level):
     args = make_args(
@@ -370,7 +371,7 @@ def test_all_truncated_and_masked_leaves_parameters_unchanged(tmp_path, tokenize
     assert all(torch.equal(p, before[n]) for n, p in tiny_llama.named_parameters())
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo", "sapo"])
 def test_gradient_accumulation_invariance(tmp_path, tokenizer, loss_type):
     """One optimizer step on 8 completions equals 2 accumulated micro-batches of 4, same rollouts."""
     updated = []
