@@ -119,7 +119,8 @@ def main() -> None:
         r = run(dtype, masters, args.steps, args.lr)
         lost = ", ".join(f"{x:.2f}" for x in r["lost"])
         entropy = f"{r['entropy'][0]:.3f} → {r['entropy'][1]:.3f}"
-        cells = [name, f"{r['first']:.3f}", f"{r['last']:.3f}", entropy, f"{r['moved']:.2f}", lost, f"{r['seconds']:.0f}"]
+        numbers = [f"{r['first']:.3f}", f"{r['last']:.3f}", entropy, f"{r['moved']:.2f}", lost, f"{r['seconds']:.0f}"]
+        cells = [name, *numbers]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
