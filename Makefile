@@ -33,6 +33,7 @@ format: install
 
 bench: install
 	$(PY) benchmarks/bench_rewards.py
+	$(PY) benchmarks/bench_code_reward.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_hf.rewards import REWARD_FUNCS, completion_text, get_reward_funcs
+from grpo_hf.rewards import completion_text, get_reward_funcs, names_a_reward_model
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +164,6 @@ def load_reward_model(
     return RewardModel(path, processing_class, **kwargs)
 
 
-def _looks_like_model_path(name: str) -> bool:
-    return os.path.exists(name) or "/" in name
-
-
 def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Callable]:
     """`GRPOTrainer`'s `reward_funcs` as a list of callables: functions as they are, registry names and
     "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s."""
@@ -187,7 +183,7 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Cal
         tokenizer = reward_processing_classes[k] if reward_processing_classes is not None else None
         # Strings: registry names and "module:function" first; paths and Hub ids ("org/name") are
         # reward models; anything else fails with the registry's list of known names.
-        if isinstance(func, str) and (func in REWARD_FUNCS or ":" in func or not _looks_like_model_path(func)):
+        if isinstance(func, str) and not names_a_reward_model(func):
             funcs.extend(get_reward_funcs(func))
         elif isinstance(func, str | PreTrainedModel):
             from grpo_hf.reward_models import RewardModel

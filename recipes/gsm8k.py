@@ -42,6 +42,7 @@ from grpo_hf.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems,
 from grpo_hf.evaluation import evaluate_accuracy, summarize
 from grpo_hf.models import OFFLINE_MODEL_ID, load_model, load_tokenizer
 from grpo_hf.plotting import plot_training_curves
+from grpo_hf.rewards import names_a_reward_model
 
 logger = logging.getLogger("recipes.gsm8k")
 
@@ -98,7 +99,8 @@ class ScriptArguments:
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Reward names (grpo_hf.REWARD_FUNCS) or 'module:function' paths; weights in reward_weights. "
+            "help": "Reward names (grpo_hf.rewards.REWARD_FUNCS and REWARD_FACTORIES, e.g. 'math_accuracy', "
+            "'code'), 'module:function' paths or reward model paths; weights in reward_weights. "
             "None: 'accuracy' plus the format reward of answer_format."
         },
     )
@@ -189,8 +191,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConf
         names = {f.name for f in fields(dtype) if f.init}
         parsed.append(dtype(**{k: v for k, v in vars(namespace).items() if k in names}))
     script_args, config = parsed
-    # Unknown reward names fail here, listing the known ones (strings with a "/" are reward models).
-    get_reward_funcs([name for name in script_args.reward_funcs if "/" not in name])
+    # Unknown reward names fail here, before the model loads, listing the known ones; names that build their reward
+    # (e.g. `code` checks its sandbox) are built once here to fail early. Reward models: `names_a_reward_model`.
+    get_reward_funcs([name for name in script_args.reward_funcs if not names_a_reward_model(name)])
     return script_args, config
 
 

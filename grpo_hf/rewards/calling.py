@@ -1,0 +1,335 @@
+"""Calling reward functions: argument checks, async functions on a background loop, timeouts, the error policy.
+
+`compute_rewards` calls each reward function once on the whole batch and returns an `[N][R]` matrix with NaN for
+"no reward". Sync functions run one after another (in a worker thread when a timeout is set), then the `async def`
+ones concurrently on one persistent event loop. A result of the wrong shape or type is a bug and always raises;
+NaN/inf become None with a warning; an exception is located by calling the function again sample by sample, then
+raised (`error_policy="raise"`) or scored None and counted (`"skip"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from grpo_hf.rewards.functions import reward_func_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compute_rewards"]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Calling reward functions: validation, async, timeouts, error policy
+# ---------------------------------------------------------------------------------------------------------------------
+
+_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+_ERROR_POLICIES = ("raise", "skip")
+
+
+class _RewardTimeout(Exception):
+    pass
+
+
+class _Outcome:
+    """Either `value` (the raw return) or `error` (the exception, possibly a `_RewardTimeout`)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self.value = value
+        self.error = error
+
+
+def _is_async(func: Any) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or (callable(func) and inspect.iscoroutinefunction(func.__call__))
+
+
+# A persistent event loop in a daemon thread runs the async reward functions, so they work from any thread, with or
+# without a running loop there, and clients bound to the loop (e.g. aiohttp sessions) survive between steps.
+_LOOP_LOCK = threading.Lock()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_PID: int | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    global _LOOP, _LOOP_PID
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP_PID != os.getpid() or _LOOP.is_closed():  # new process after fork: new loop
+            _LOOP = asyncio.new_event_loop()
+            _LOOP_PID = os.getpid()
+            threading.Thread(target=_LOOP.run_forever, name="grpo_hf-reward-loop", daemon=True).start()
+        return _LOOP
+
+
+def _run_coroutine(coro) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()
+
+
+async def _await_with_timeout(awaitable, timeout: float | None) -> Any:
+    if timeout is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError as e:
+        raise _RewardTimeout() from e
+
+
+async def _async_outcome(func: Callable, kwargs: dict, timeout: float | None) -> _Outcome:
+    try:
+        return _Outcome(await _await_with_timeout(func(**kwargs), timeout))
+    except Exception as e:
+        return _Outcome(error=e)
+
+
+async def _gather_outcomes(calls: list[tuple[Callable, dict]], timeout: float | None) -> list[_Outcome]:
+    return list(await asyncio.gather(*(_async_outcome(f, kw, timeout) for f, kw in calls)))
+
+
+def _sync_outcome(func: Callable, kwargs: dict, timeout: float | None) -> _Outcome:
+    """Call a sync function; with a timeout, in a daemon thread (a call that times out is left running there)."""
+    if timeout is None:
+        try:
+            value = func(**kwargs)
+            if inspect.isawaitable(value):
+                value = _run_coroutine(_await_with_timeout(value, None))
+            return _Outcome(value)
+        except Exception as e:
+            return _Outcome(error=e)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = func(**kwargs)
+        except BaseException as e:  # carried to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"grpo_hf-reward-{reward_func_name(func)}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return _Outcome(error=_RewardTimeout())
+    if "error" in box:
+        if not isinstance(box["error"], Exception):
+            raise box["error"]
+        return _Outcome(error=box["error"])
+    value = box["value"]
+    if inspect.isawaitable(value):
+        try:
+            value = _run_coroutine(_await_with_timeout(value, timeout))
+        except Exception as e:
+            return _Outcome(error=e)
+    return _Outcome(value)
+
+
+def _sync_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None) -> Iterable[_Outcome]:
+    """One call per sample, lazily (the "raise" policy stops at the first failure)."""
+    return (_sync_outcome(func, _slice_kwargs(kwargs, i), timeout) for i in range(n))
+
+
+def _async_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None) -> list[_Outcome]:
+    """One call per sample, all concurrently."""
+    return _run_coroutine(_gather_outcomes([(func, _slice_kwargs(kwargs, i)) for i in range(n)], timeout))
+
+
+def _slice_kwargs(kwargs: dict, i: int) -> dict:
+    return {k: (v if k == "trainer_state" or v is None else v[i : i + 1]) for k, v in kwargs.items()}
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit // 2]} ... {text[-limit // 2 :]}"
+
+
+def _describe_sample(kwargs: dict, i: int) -> str:
+    parts = [f"prompt={_short(kwargs['prompts'][i])}", f"completion={_short(kwargs['completions'][i])}"]
+    parts += [f"{k}={_short(v[i], 120)}" for k, v in kwargs.items() if k not in _RESERVED and v is not None]
+    return ", ".join(parts)
+
+
+def _to_floats(name: str, values: Any, n: int) -> list[float | None]:
+    """Validate one function's return: a sequence of `n` numbers or None; NaN/inf become None with a warning."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"Reward function {name!r} returned a {type(values).__name__}; it must return a list with one float (or "
+            "None) per completion."
+        )
+    if not hasattr(values, "__len__"):
+        values = list(values)
+    if len(values) != n:
+        raise ValueError(f"Reward function {name!r} returned {len(values)} rewards for {n} completions.")
+    out: list[float | None] = []
+    non_finite = 0
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        try:
+            x = float(v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"Reward function {name!r} returned {_short(v, 80)} ({type(v).__name__}) for completion {i}; "
+                "expected a float or None."
+            ) from e
+        if math.isfinite(x):
+            out.append(x)
+        else:
+            non_finite += 1
+            out.append(None)
+    if non_finite:
+        warnings.warn(
+            f"Reward function {name!r} returned NaN/inf for {non_finite} of {n} completions; they are scored None "
+            "(no reward from this function).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return out
+
+
+def _failure_message(name: str, error: BaseException, where: str, timeout: float | None) -> str:
+    if isinstance(error, _RewardTimeout):
+        return (
+            f"Reward function {name!r} did not return within {timeout} s (config field `reward_timeout`) {where}. "
+            "Make it faster, raise `reward_timeout`, or set `reward_error_policy='skip'` to score such calls None."
+        )
+    return (
+        f"Reward function {name!r} raised {type(error).__name__}: {error} {where}. "
+        "Set `reward_error_policy='skip'` to score failing samples None instead of stopping."
+    )
+
+
+def _resolve(
+    name: str,
+    batch: _Outcome,
+    per_sample: Callable[[], Iterable[_Outcome]],
+    kwargs: dict,
+    n: int,
+    timeout: float | None,
+    error_policy: str,
+) -> tuple[list[float | None], int]:
+    """Turn one function's batch outcome into n rewards and an error count, retrying per sample after an exception."""
+    if batch.error is None:
+        return _to_floats(name, batch.value, n), 0
+    error = batch.error
+    if isinstance(error, _RewardTimeout):
+        if error_policy == "raise":
+            raise RuntimeError(_failure_message(name, error, f"on a batch of {n} completions", timeout))
+        logger.warning("Reward function %r timed out after %s s on %d completions; scored None.", name, timeout, n)
+        return [None] * n, n
+    # An exception: retry sample by sample to find (raise) or isolate (skip) the bad ones.
+    rewards: list[float | None] = []
+    failed = 0
+    first_error: tuple[int, BaseException] | None = None
+    for i, outcome in enumerate(per_sample()):
+        if outcome.error is not None:
+            if error_policy == "raise":
+                where = f"on sample {i} of {n} ({_describe_sample(kwargs, i)})"
+                raise RuntimeError(_failure_message(name, outcome.error, where, timeout)) from outcome.error
+            failed += 1
+            first_error = first_error or (i, outcome.error)
+            rewards.append(None)
+        else:
+            rewards.extend(_to_floats(name, outcome.value, 1))
+    if error_policy == "raise":  # every sample passes alone: the batch as a whole is the problem
+        where = f"on the batch of {n} completions (each sample passes alone; sample 0: {_describe_sample(kwargs, 0)})"
+        raise RuntimeError(_failure_message(name, error, where, timeout)) from error
+    if failed:
+        i, e = first_error
+        logger.warning(
+            "Reward function %r failed on %d of %d completions (first: sample %d, %s: %s); scored None.",
+            name, failed, n, i, type(e).__name__, e,
+        )  # fmt: skip
+    else:
+        logger.warning(
+            "Reward function %r raised %s: %s on the batch but not on any single sample; used per-sample calls.",
+            name, type(error).__name__, error,
+        )  # fmt: skip
+    return rewards, failed
+
+
+def compute_rewards(
+    reward_funcs: list[Callable],
+    prompts: list,
+    completions: list,
+    completion_ids: list | None = None,
+    *,
+    columns: dict[str, list] | None = None,
+    trainer_state: Any = None,
+    timeout: float | None = None,
+    error_policy: str = "raise",
+) -> tuple[list[list[float]], dict[str, int]]:
+    """Call every reward function on the batch; return an `[N][R]` matrix (NaN = None) and error counts per name.
+
+    Each function is called once with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`
+    and one keyword per entry of `columns`. Sync functions run one after another in this thread (in a worker thread
+    when `timeout` is set); `async def` functions then run concurrently on a background event loop.
+
+    - A result that is not a list of N floats/None raises (ValueError for a wrong length, naming the function and
+      both lengths) under every policy: that is a bug in the function, not a bad sample.
+    - NaN/inf in a result is scored None, with a `RuntimeWarning`.
+    - An exception: the function is called again sample by sample. `error_policy="raise"` raises a RuntimeError naming
+      the function and the first failing sample (or, if no sample fails alone, the batch and its first sample);
+      `"skip"` scores the failing samples None and counts them.
+    - `timeout` (seconds, per call): a call that takes longer raises under `"raise"` (naming the config field
+      `reward_timeout`); under `"skip"` the whole batch is scored None for that function and counted. A timed-out
+      sync call keeps running in its daemon thread; a timed-out async call is cancelled.
+
+    Error counts are keyed by `reward_func_name` (functions sharing a name share a count).
+    """
+    if error_policy not in _ERROR_POLICIES:
+        raise ValueError(f"error_policy={error_policy!r} must be one of {_ERROR_POLICIES}.")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be > 0 seconds (or None for no limit).")
+    n = len(completions)
+    columns = dict(columns or {})
+    lengths = {
+        "prompts": len(prompts),
+        **({"completion_ids": len(completion_ids)} if completion_ids is not None else {}),
+    }
+    for key, value in columns.items():
+        if key in _RESERVED:
+            raise ValueError(f"Column {key!r} clashes with a reward-function argument; rename it.")
+        lengths[key] = len(value)
+    wrong = {k: v for k, v in lengths.items() if v != n}
+    if wrong:
+        raise ValueError(f"compute_rewards got {n} completions but lengths {wrong}.")
+
+    kwargs = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        "trainer_state": trainer_state,
+        **columns,
+    }
+    names = [reward_func_name(f) for f in reward_funcs]
+    rewards = [[math.nan] * len(reward_funcs) for _ in range(n)]
+    errors = dict.fromkeys(names, 0)
+
+    def store(j: int, column: list[float | None], failed: int) -> None:
+        errors[names[j]] += failed
+        for i, r in enumerate(column):
+            if r is not None:
+                rewards[i][j] = r
+
+    is_async = [_is_async(f) for f in reward_funcs]
+    for j, func in enumerate(reward_funcs):
+        if not is_async[j]:
+            batch = _sync_outcome(func, kwargs, timeout)
+            per_sample = functools.partial(_sync_per_sample, func, kwargs, n, timeout)
+            store(j, *_resolve(names[j], batch, per_sample, kwargs, n, timeout, error_policy))
+    async_idx = [j for j in range(len(reward_funcs)) if is_async[j]]
+    if async_idx:
+        outcomes = _run_coroutine(_gather_outcomes([(reward_funcs[j], kwargs) for j in async_idx], timeout))
+        for j, batch in zip(async_idx, outcomes, strict=True):
+            per_sample = functools.partial(_async_per_sample, reward_funcs[j], kwargs, n, timeout)
+            store(j, *_resolve(names[j], batch, per_sample, kwargs, n, timeout, error_policy))
+    return rewards, errors
