@@ -376,6 +376,10 @@ class GRPOConfig(TrainingArguments):
                 "steps_per_generation, or num_generations."
             )
 
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `core.grpo_loss` this config sets (TRL's names): numbers, not the config."""
+        return {name: getattr(self, name) for name in _LOSS_KWARGS}
+
 
 # GRPOConfig fields that `core.check_loss_settings` checks (it takes the same names).
 _LOSS_SETTINGS = (
@@ -389,6 +393,26 @@ _LOSS_SETTINGS = (
     "sapo_temperature_pos",
     "sapo_temperature_neg",
     "vespo_lambda_pos",
+    "vespo_lambda_neg",
+)
+
+
+# GRPOConfig fields that are keyword arguments of `core.grpo_loss`, with the same names.
+_LOSS_KWARGS = (
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "importance_sampling_level",
+    "max_completion_length",
+    "delta",
+    "use_bias_correction_kl",
+    "off_policy_mask_threshold",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
     "vespo_lambda_neg",
 )
 

@@ -757,3 +757,20 @@ def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tup
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)  # [N-1]
     starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
     return list(zip(starts, [*starts[1:], prompt_ids.size(0)], strict=True))
+
+
+def reward_metrics(rewards: Tensor, total: Tensor, names: Sequence[str], num_generations: int) -> dict[str, float]:
+    """TRL's reward metrics of a generation batch: rewards [N, R] (NaN = None, one column per function in `names`)
+    and their weighted sum `total` [N]. `reward_std` / `frac_reward_zero_std` need whole groups (N % G == 0)."""
+    valid = ~torch.isnan(total)
+    metrics = {"reward": total[valid].mean().item() if valid.any() else float("nan")}
+    for k, name in enumerate(names):
+        column = rewards[:, k]
+        ok = ~torch.isnan(column)
+        metrics[f"rewards/{name}/mean"] = column[ok].mean().item() if ok.any() else float("nan")
+        metrics[f"rewards/{name}/std"] = column[ok].std().item() if ok.sum() > 1 else 0.0
+    if total.numel() % num_generations == 0:
+        group_std = nan_group_std(total.view(-1, num_generations))  # [N / G]
+        metrics["reward_std"] = group_std.mean().item()
+        metrics["frac_reward_zero_std"] = (group_std == 0).float().mean().item()
+    return metrics

@@ -98,8 +98,10 @@ class MasterWeights:
 
 
 def _sample_index(tensor: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
+    """`size` random element indices of `tensor` (with replacement: no [numel] permutation is ever allocated), or
+    all of them when it has fewer."""
     numel = _local(tensor).numel()
-    index = torch.randperm(numel, generator=generator)[:size] if numel > size else torch.arange(numel)
+    index = torch.randint(numel, (size,), generator=generator) if numel > size else torch.arange(numel)
     return index.to(tensor.device)
 
 

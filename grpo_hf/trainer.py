@@ -33,7 +33,7 @@ from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCall
 
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import LOSS_VARIANTS, combine_rewards, group_advantages, grpo_loss, nan_group_std
+from grpo_hf.core import LOSS_VARIANTS, combine_rewards, group_advantages, grpo_loss, reward_metrics
 from grpo_hf.logprobs import (
     backward_per_group,
     completion_logps,
@@ -51,28 +51,13 @@ from grpo_hf.rollout import (
     eos_token_ids_of,
     is_conversational,
     make_engine,
+    split_into_slices,
     tokenize_prompts,
 )
 
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
-# GRPOConfig fields passed to `core.grpo_loss` as they are (TRL's names).
-_VARIANT_SETTINGS = (
-    "delta",
-    "use_bias_correction_kl",
-    "off_policy_mask_threshold",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
-
-
-def _identity_collator(features: list[dict]) -> list[dict]:
-    return features
 
 
 def _reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tensor:
@@ -179,7 +164,7 @@ class GRPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=_identity_collator,
+            data_collator=list,  # rows stay dicts: prompts are tokenized per generation batch
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -354,12 +339,13 @@ class GRPOTrainer(Trainer):
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
         }
-        if mode == "train":
-            self._num_tokens += int(self._sum_processes(int(prompt_mask.sum() + lengths.sum())))
-            metrics["num_tokens"].append(float(self._num_tokens))
+        if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
             advantages = group_advantages(total, G, args.scale_rewards)  # [N]
             start = self.accelerator.process_index * len(prompts)
             batch["advantages"] = advantages[start : start + len(prompts)]  # [B]
+        if mode == "train":
+            self._num_tokens += int(self._sum_processes(int(prompt_mask.sum() + lengths.sum())))
+            metrics["num_tokens"].append(float(self._num_tokens))
             if args.mask_truncated_completions:
                 batch["completion_mask"] = completion_mask * (~is_truncated).unsqueeze(1).long()
             if args.log_completions:
@@ -397,24 +383,16 @@ class GRPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
         """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
-        valid = ~torch.isnan(total)
-        if valid.sum() == 0:
+        if torch.isnan(total).all():
             logger.warning(
                 "All reward functions returned None for every completion of this batch; its advantages are 0 and it "
                 "does not move the policy. Please ensure that at least one reward function returns a valid reward."
             )
-        metrics["reward"].append(total[valid].mean().item() if valid.any() else float("nan"))
-        for k, name in enumerate(self.reward_func_names):
-            column = all_rewards[:, k]
-            ok = ~torch.isnan(column)
-            metrics[f"rewards/{name}/mean"].append(column[ok].mean().item() if ok.any() else float("nan"))
-            metrics[f"rewards/{name}/std"].append(column[ok].std().item() if ok.sum() > 1 else 0.0)
-            if self.args.reward_error_policy == "skip":
+        for key, value in reward_metrics(all_rewards, total, self.reward_func_names, G).items():
+            metrics[key].append(value)
+        if self.args.reward_error_policy == "skip":
+            for name in self.reward_func_names:
                 metrics[f"rewards/{name}/errors"].append(float(self._sum_processes(errors.get(name, 0))))
-        if total.numel() % G == 0:
-            group_std = nan_group_std(total.view(-1, G))  # [N / G]
-            metrics["reward_std"].append(group_std.mean().item())
-            metrics["frac_reward_zero_std"].append((group_std == 0).float().mean().item())
 
     def _rollout_engine(self, model: nn.Module) -> RolloutEngine:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
@@ -447,37 +425,22 @@ class GRPOTrainer(Trainer):
             return value
         return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "sum").item())
 
-    def _split_into_slices(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """Cut this process's generation batch into steps_per_generation micro-batches, trimming padding."""
-        size = self.args.per_device_train_batch_size
-        slices = []
-        for start in range(0, batch["prompt_ids"].size(0), size):
-            part = {k: (v[start : start + size] if v is not None else None) for k, v in batch.items()}
-            # Drop padding columns this slice does not need: left of the prompts, right of the completions.
-            keep_p = part["prompt_mask"].any(dim=0).nonzero()
-            first = int(keep_p.min()) if keep_p.numel() else 0
-            keep_c = part["completion_mask"].any(dim=0).nonzero()
-            last = int(keep_c.max()) + 1 if keep_c.numel() else 1
-            part["prompt_ids"], part["prompt_mask"] = part["prompt_ids"][:, first:], part["prompt_mask"][:, first:]
-            for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
-                if part.get(key) is not None:
-                    part[key] = part[key][:, :last]
-            slices.append(part)
-        return slices
+    def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """The reference model's log-probs [B, T] (None when beta = 0); under LoRA, the model with adapters off."""
+        if self.args.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return self._logps_in_chunks(self.ref_model, batch)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            return self._logps_in_chunks(self.model, batch)
 
     def _prepare_rollout(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One generation batch -> scored, with old/ref log-probs -> micro-batch slices."""
         batch = self._generate_and_score(inputs, "train")
         with torch.no_grad():
             batch["old_logps"] = self._logps_in_chunks(self.model, batch) if self._needs_old_logps else None
-            batch["ref_logps"] = None
-            if self.args.beta != 0.0:
-                if self.ref_model is not None:
-                    batch["ref_logps"] = self._logps_in_chunks(self.ref_model, batch)
-                else:  # LoRA: the reference is the base model, i.e. the adapters switched off
-                    with self.accelerator.unwrap_model(self.model).disable_adapter():
-                        batch["ref_logps"] = self._logps_in_chunks(self.model, batch)
-        slices = self._split_into_slices(batch)
+            batch["ref_logps"] = self._reference_logps(batch)
+        slices = split_into_slices(batch, self.args.per_device_train_batch_size)
         # dapo normalises by the completion tokens of the whole optimizer step (all processes and
         # accumulation slices). Count them per slice over all processes.
         tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()  # [S]
@@ -569,14 +532,8 @@ class GRPOTrainer(Trainer):
             batch["ref_logps"],
             batch["advantages"],
             batch["completion_mask"],
-            loss_type=args.loss_type,
-            epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            beta=args.beta,
-            importance_sampling_level=args.importance_sampling_level,
-            max_completion_length=args.max_completion_length,
             num_items_in_batch=batch["num_items_in_batch"],
-            **{name: getattr(args, name) for name in _VARIANT_SETTINGS},
+            **args.loss_kwargs(),
         )
         if LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: over the global tokens
             # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer
@@ -592,11 +549,27 @@ class GRPOTrainer(Trainer):
             self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
 
     # ---- evaluation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Sample `num_generations_eval` completions per eval prompt and record their rewards."""
-        with torch.no_grad():
-            self._generate_and_score(inputs, "eval")
-        return None, None, None
+        """Sample `num_generations_eval` completions per eval prompt, record their rewards, and return their GRPO loss
+        under the current policy (on-policy, ratio 1; the KL to the reference when beta != 0): `eval_loss`."""
+        batch = self._generate_and_score(inputs, "eval")
+        if "advantages" not in batch:  # the batch cut a group: no advantages, no loss
+            return None, None, None
+        batch["ref_logps"] = self._reference_logps(batch)
+        logps = self._logps_in_chunks(self.model, batch)  # [B, T]
+        tokens = batch["completion_mask"].sum()
+        kwargs = self.args.loss_kwargs()
+        loss, _ = grpo_loss(
+            logps,
+            None,
+            batch["ref_logps"],
+            batch["advantages"],
+            batch["completion_mask"],
+            num_items_in_batch=tokens,
+            **kwargs,
+        )
+        return loss.detach(), None, None
 
     # ---- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

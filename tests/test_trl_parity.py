@@ -74,3 +74,19 @@ def test_a_dict_of_eval_datasets_is_checked_split_by_split_and_evaluated(tmp_pat
 def test_a_missing_train_dataset_fails_at_construction(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="train_dataset is required"):
         GRPOTrainer(build_tiny_model(tokenizer), _reward, _args(tmp_path), processing_class=tokenizer)
+
+
+def test_evaluate_reports_the_grpo_loss_of_the_eval_completions(tmp_path, tokenizer):
+    """TRL's trainer.evaluate() reports eval_loss: here the GRPO loss of the sampled eval completions, on-policy."""
+    evals = Dataset.from_dict({"prompt": ["x", "y"]})
+    args = _args(
+        tmp_path, per_device_eval_batch_size=4, num_generations_eval=2, beta=0.5, learning_rate=0.05, max_steps=2
+    )
+    trainer = GRPOTrainer(build_tiny_model(tokenizer), _reward, args, DATASET, evals, processing_class=tokenizer)
+    # Before training the policy is its reference (KL 0) and on-policy ratios are 1: the loss is minus the mean
+    # advantage, and advantages sum to 0 within each group.
+    before = trainer.evaluate()
+    assert before["eval_loss"] == pytest.approx(0.0, abs=1e-5) and "eval_reward" in before
+    trainer.train()  # the policy moves away from its reference: beta x KL > 0 enters the loss
+    after = trainer.evaluate()
+    assert after["eval_loss"] > 1e-4

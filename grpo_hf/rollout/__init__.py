@@ -24,6 +24,7 @@ from grpo_hf.rollout.prompts import (
     is_conversational,
     prompt_runs,
     prompt_text,
+    split_into_slices,
     tokenize_prompts,
 )
 from grpo_hf.rollout.sampling import (
@@ -52,6 +53,7 @@ __all__ = [
     "resolve_sampling_settings",
     "sample_categorical",
     "sample_groups",
+    "split_into_slices",
     "supports_sample_groups",
     "tokenize_prompts",
     "unsupported_reason",

@@ -6,6 +6,7 @@
   and encodes each distinct prompt once (a group's G copies share one encoding).
 - `completion_mask` marks completion tokens up to and including the first EOS (DESIGN.md §5, `m`).
 - `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
+- `split_into_slices` cuts a generation batch into the micro-batches that training steps take.
 """
 
 from __future__ import annotations
@@ -162,3 +163,21 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token.")
     return sorted(ids)
+
+
+def split_into_slices(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """Cut a generation batch (tensors [B, ...], or None) into micro-batches of `size` rows, each trimmed of the
+    padding columns it does not need: left of its prompts, right of its completions."""
+    slices = []
+    for start in range(0, batch["prompt_ids"].size(0), size):
+        part = {k: (v[start : start + size] if v is not None else None) for k, v in batch.items()}
+        keep_p = part["prompt_mask"].any(dim=0).nonzero()
+        first = int(keep_p.min()) if keep_p.numel() else 0
+        keep_c = part["completion_mask"].any(dim=0).nonzero()
+        last = int(keep_c.max()) + 1 if keep_c.numel() else 1
+        part["prompt_ids"], part["prompt_mask"] = part["prompt_ids"][:, first:], part["prompt_mask"][:, first:]
+        for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
+            if part.get(key) is not None:
+                part[key] = part[key][:, :last]
+        slices.append(part)
+    return slices
