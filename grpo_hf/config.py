@@ -195,15 +195,15 @@ class GRPOConfig(TrainingArguments):
             "help": "In the log-prob forwards (policy, old and reference), run each distinct prompt once and let the "
             "completions of its group attend to its cached keys/values, in at most two length buckets, each cut to "
             "its longest completion: no compute on repeated prompts and little on padding. Exact (same maths, float "
-            "rounding aside). Used for decoder-only models that are not wrapped by DDP/FSDP/DeepSpeed and not "
-            "gradient-checkpointed; other setups run one forward over the padded prompt + completion rows, as with "
-            "False."
+            "rounding aside). Used for decoder-only models on one process or under DDP (whose forward it bypasses; "
+            "the trainer then averages gradients itself) that are not gradient-checkpointed; FSDP, DeepSpeed and "
+            "checkpointed models run one forward over the padded prompt + completion rows, as with False."
         },
     )
     backward_per_group: bool = field(
         default=True,
         metadata={
-            "help": "With share_prompt_prefix on one process: run forward and backward one group (prompt) at a time, "
+            "help": "Where share_prompt_prefix applies: run forward and backward one group (prompt) at a time, "
             "so only one group's activations are in memory. The same gradient (the loss is a sum over rows), "
             "float rounding aside. False: one backward over the whole micro-batch."
         },
