@@ -146,6 +146,7 @@ class GRPOTrainer(Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
 
+        args.log_defaults_differing_from_trl()
         model, ref_model, processing_class = build_models(
             model,
             processing_class,
@@ -173,10 +174,7 @@ class GRPOTrainer(Trainer):
         )
         self.model_accepts_loss_kwargs = False
 
-        self.ref_model = self._place_ref_model(ref_model)
-        for func in self.reward_funcs:
-            if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
-                func.model.to(self.accelerator.device)
+        self.ref_model = self._place_models(ref_model)
 
         self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), processing_class)
         self.generation_config = self._build_generation_config(args, processing_class, self.eos_token_ids)
@@ -203,8 +201,12 @@ class GRPOTrainer(Trainer):
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
         self.add_callback(_AfterOptimizerStep(self))
 
-    def _place_ref_model(self, ref_model):
-        """The reference model prepared like the policy (DeepSpeed / FSDP / device placement), or None."""
+    def _place_models(self, ref_model):
+        """Reward models to the device; the reference model prepared like the policy (DeepSpeed / FSDP / device
+        placement) and returned, or None."""
+        for func in self.reward_funcs:
+            if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
+                func.model.to(self.accelerator.device)
         if ref_model is None:
             return None
         if self.is_deepspeed_enabled:
@@ -297,7 +299,7 @@ class GRPOTrainer(Trainer):
         """Generate completions for this process's rows, score them, and compute advantages.
 
         Returns tensors for this process's rows: prompt_ids/prompt_mask [B, P],
-        completion_ids/completion_mask [B, T], advantages [B] (train only).
+        completion_ids/completion_mask [B, T], advantages [B] (whenever the batch holds whole groups).
         """
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in inputs]
@@ -320,8 +322,7 @@ class GRPOTrainer(Trainer):
         # Whole groups may straddle processes: gather, normalise over the full batch, keep our rows.
         all_rewards = self.accelerator.gather(rewards)  # [N, R]
         total = combine_rewards(all_rewards, self.reward_weights.to(device))  # [N]
-        all_lengths = self.accelerator.gather(lengths)  # [N]
-        all_truncated = self.accelerator.gather(is_truncated)  # [N]
+        all_lengths, all_truncated = self.accelerator.gather(lengths), self.accelerator.gather(is_truncated)  # [N]
 
         metrics = self._metrics[mode]
         G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)

@@ -1,6 +1,7 @@
 """GRPOConfig: defaults, derived batch sizes, and the errors a user meets (each names the field)."""
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -66,3 +67,21 @@ def test_trl_boolean_scale_rewards():
 def test_invalid_settings_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         config(**overrides)
+
+
+def test_from_trl_defaults_and_the_defaults_that_differ(tmp_path, caplog):
+    ours = GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    differing = ours.defaults_differing_from_trl()
+    assert "loss_type='grpo' (TRL: 'dapo')" in differing and "beta=0.04 (TRL: 0.0)" in differing
+    explicit = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="dapo", beta=0.0)
+    assert not any(d.startswith(("loss_type=", "beta=")) for d in explicit.defaults_differing_from_trl())
+
+    trl = GRPOConfig.from_trl_defaults(output_dir=str(tmp_path), use_cpu=True, beta=0.01)  # kwargs still win
+    assert (trl.loss_type, trl.beta, trl.disable_dropout, trl.logging_steps) == ("dapo", 0.01, False, 10)
+    assert trl.defaults_differing_from_trl() == []
+
+    with caplog.at_level(logging.INFO, logger="grpo_hf.config"):
+        ours.log_defaults_differing_from_trl()
+        trl.log_defaults_differing_from_trl()
+    lines = [r.getMessage() for r in caplog.records if "differ from TRL" in r.getMessage()]
+    assert len(lines) == 1 and "loss_type='grpo'" in lines[0]
