@@ -31,35 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 def run(dtype: torch.dtype, master_weights: bool, steps: int, lr: float) -> dict:
     import transformers
-    from datasets import Dataset
-    from test_trainer import LETTERS, build_toy_tokenizer, toy_reward
-    from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback
+    from test_trainer import build_toy_model, build_toy_tokenizer, toy_dataset, toy_reward
+    from transformers import PrinterCallback
 
     from grpo_hf import GRPOConfig, GRPOTrainer
 
     transformers.logging.set_verbosity_error()
     tokenizer = build_toy_tokenizer()
-    generator = torch.Generator().manual_seed(0)
-    prompts, labels = [], []
-    for _ in range(512):
-        question = [LETTERS[int(k)] for k in torch.randint(0, 4, (10,), generator=generator)]
-        prompts.append(" ".join(["<think> a b c </think> <answer> y </answer>", *question, "<think>"]))
-        labels.append(tokenizer.convert_tokens_to_ids(question[-1]))
-    dataset = Dataset.from_dict({"prompt": prompts, "label_id": labels})
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config).to(dtype)
+    dataset = toy_dataset(tokenizer)
+    model = build_toy_model().to(dtype)
     start = [p.detach().float().clone() for p in model.parameters()]
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(

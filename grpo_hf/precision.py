@@ -176,7 +176,7 @@ def lost_updates_message(fraction: float, when: str, dtypes: set[torch.dtype], l
         f"{fraction:.1%} of the parameter updates {when} are lost to rounding: the optimizer updates {names} "
         f"values with steps of about lr={lr:g}, smaller than half their spacing, so they do not change. To fix it, "
         f"{fix}load the model in float32 and train with bf16=True (autocast), or use DeepSpeed / FSDP mixed "
-        "precision. Silence this check with lost_update_check_steps=0."
+        "precision. To silence it, raise lost_update_threshold (lost_update_check_steps=0 stops the measurements)."
     )
 
 

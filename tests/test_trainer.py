@@ -494,6 +494,37 @@ def build_toy_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
+def toy_dataset(tokenizer, size: int = 512) -> Dataset:
+    """Prompts of a worked example plus 10 random letters; `label_id`: the last letter, to copy into the answer."""
+    generator = torch.Generator().manual_seed(0)
+    prompts, labels = [], []
+    for _ in range(size):
+        question = [LETTERS[int(k)] for k in torch.randint(0, 4, (10,), generator=generator)]
+        prompts.append(" ".join(["<think> a b c </think> <answer> y </answer>", *question, "<think>"]))
+        labels.append(tokenizer.convert_tokens_to_ids(question[-1]))  # the answer: copy the last question token
+    return Dataset.from_dict({"prompt": prompts, "label_id": labels})
+
+
+def build_toy_model(seed: int = 0):
+    """A 2-layer Llama of ~270k parameters over the toy tokenizer's 32 ids, randomly initialised under `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
 def toy_reward(completion_ids, label_id, **kwargs):
     """0.25 for each of `</think>`, `<answer>`, `</answer>` in order; +1 for `<answer> label </answer>`."""
     close_think, open_answer, close_answer = 3, 4, 5
@@ -512,32 +543,10 @@ def toy_reward(completion_ids, label_id, **kwargs):
 
 
 def test_toy_task_learns_from_scratch(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = build_toy_tokenizer()
     assert len(tokenizer) == 32 and tokenizer.convert_tokens_to_ids(TAGS) == [2, 3, 4, 5]
-    generator = torch.Generator().manual_seed(0)
-    prompts, labels = [], []
-    for _ in range(512):
-        question = [LETTERS[int(k)] for k in torch.randint(0, 4, (10,), generator=generator)]
-        prompts.append(" ".join(["<think> a b c </think> <answer> y </answer>", *question, "<think>"]))
-        labels.append(tokenizer.convert_tokens_to_ids(question[-1]))  # the answer: copy the last question token
-    dataset = Dataset.from_dict({"prompt": prompts, "label_id": labels})
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config)
+    dataset = toy_dataset(tokenizer)
+    model = build_toy_model()
     assert 100_000 < model.num_parameters() < 1_000_000
     args = make_args(
         tmp_path,
