@@ -411,3 +411,17 @@ def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
     scores = reward(["q"] * 80, good + broken, tests=tests + tests)
     assert scores[:40] == [1.0] * 40, [p["task_id"] for p, s in zip(sample, scores[:40], strict=True) if s != 1.0]
     assert scores[40:] == [0.0] * 40, [p["task_id"] for p, s in zip(sample, scores[40:], strict=True) if s != 0.0]
+
+
+def test_an_interpreter_under_tmp_is_still_reachable_inside_the_sandbox(tmp_path):
+    """/tmp gets a private tmpfs in the sandbox; an interpreter that lives below it (a checkout or a venv in /tmp,
+    as on CI machines) is bind-mounted back, read-only."""
+    venv = Path(tempfile.mkdtemp(prefix="grpo_hf-venv-", dir="/tmp"))
+    venv.chmod(0o755)  # as a checkout is: the sandbox's uid must be able to read the interpreter
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        sandbox = Sandbox(LIMITS, workers=1, python=str(venv / "bin" / "python"))
+        result = sandbox.run(DOUBLE, [DOUBLE_TESTS, "assert double(1) == 3\n"])
+        assert result.passed == [True, False]
+    finally:
+        subprocess.run(["rm", "-rf", str(venv)], check=False)

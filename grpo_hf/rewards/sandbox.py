@@ -276,6 +276,12 @@ def blocked_ancestors(paths, uid, gid):
 
 def hide(roots, needed):
     # Cover each root with an empty read-only tmpfs in which only the needed paths below it come back, read-only.
+    cover(roots, needed, "size=64k,mode=0755", read_only=True)
+
+
+def cover(roots, needed, data, read_only):
+    # Mount a fresh tmpfs (options `data`) on each root; the needed paths below it (the interpreter may live under
+    # /tmp or a home directory) are bind-mounted back into it, read-only.
     roots = [r for r in roots if r != "/" and not any(r != q and under(r, [q]) for q in roots)]
     for k, root in enumerate(sorted(roots)):
         if not os.path.isdir(root) or any(under(root, [path]) for path in needed):
@@ -288,14 +294,15 @@ def hide(roots, needed):
             os.mkdir(stage)
             mount(path, stage, None, MS_BIND | MS_REC)
             stages.append((stage, path))
-        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, data)
         for stage, path in stages:
             os.makedirs(path, mode=0o755, exist_ok=True)
             mount(stage, path, None, MS_BIND | MS_REC)
             mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
             check(libc.umount2(stage.encode(), 2), f"umount {stage}")  # MNT_DETACH
             os.rmdir(stage)
-        mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        if read_only:
+            mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def set_limit(name, value):
@@ -311,8 +318,7 @@ def setup_runner(workdir, root, report_w):
     os.chdir(workdir)
     tmpfs = f"size={limits['file_size_bytes']},nr_inodes=4096,mode=1777"
     covered = [path for path in PRIVATE_MOUNTS if os.path.isdir(path) and not os.path.islink(path)]
-    for path in covered:
-        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
+    cover(covered, cfg["needed"], tmpfs, read_only=False)
     remount_read_only([*covered, workdir])
     # The caller's home (tokens, keys) and, as root, the directories the sandbox uid could not pass through on the way
     # to the interpreter are hidden; the interpreter's own directories come back read-only.
