@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,6 +64,10 @@ class GRPOConfig(TrainingArguments):
     # ---- TrainingArguments defaults we change ----------------------------------------------------
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate (DeepSeekMath: 1e-6)."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "False: a NaN or inf loss is logged as it is (TrainingArguments' True logs it as 0)."},
+    )
     remove_unused_columns: bool | None = field(
         default=False,
         metadata={"help": "Keep every dataset column: the extra columns are passed to the reward functions."},
@@ -293,6 +298,11 @@ class GRPOConfig(TrainingArguments):
         if not 0 <= self.lost_update_threshold <= 1:
             raise ValueError(f"lost_update_threshold={self.lost_update_threshold} must be a fraction in [0, 1].")
 
+        if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
+            raise ValueError(
+                f"reward_weights={self.reward_weights} has a non-finite entry: every weight must be a finite number "
+                "(0 turns a reward function off)."
+            )
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to compare "

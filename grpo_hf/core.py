@@ -774,3 +774,17 @@ def reward_metrics(rewards: Tensor, total: Tensor, names: Sequence[str], num_gen
         metrics["reward_std"] = group_std.mean().item()
         metrics["frac_reward_zero_std"] = (group_std == 0).float().mean().item()
     return metrics
+
+
+def check_finite_rewards(rewards: Tensor, names: Sequence[str]) -> None:
+    """Raise when a reward in `rewards` [N, R] is infinite in its dtype (NaN means None and is allowed), naming the
+    reward function and the row: e.g. 1e300 is finite in Python but inf in float32, and would turn the advantages,
+    then the loss and the weights, into NaN."""
+    bad = torch.isinf(rewards)  # [N, R]
+    if bool(bad.any()):
+        row, column = (int(k) for k in bad.nonzero()[0])
+        raise ValueError(
+            f"Reward function {names[column]!r} returned {rewards[row, column].item()} (after conversion to "
+            f"{rewards.dtype}) for completion {row} of this batch: rewards must be finite and within the range of "
+            f"{rewards.dtype}. Return None for 'no reward', or clip/scale the reward."
+        )

@@ -26,7 +26,7 @@ from grpo_hf.rewards import completion_text, get_reward_funcs, names_a_reward_mo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardModel", "build_reward_funcs", "load_reward_model"]
+__all__ = ["RewardModel", "build_reward_funcs", "load_reward_model", "reward_weights"]
 
 
 def _is_conversational(value: Any) -> bool:
@@ -194,3 +194,13 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Cal
         else:
             raise TypeError(f"reward_funcs[{k}] is a {type(func).__name__}; expected a callable, name or model.")
     return funcs
+
+
+def reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tensor:
+    """One weight per reward function [R] (all 1.0 by default)."""
+    if weights is not None and len(weights) != len(names):
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries but there are {len(names)} reward functions ({names}). "
+            "Give one weight per function."
+        )
+    return torch.tensor(weights or [1.0] * len(names), dtype=torch.float32)

@@ -33,7 +33,14 @@ from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCall
 
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import LOSS_VARIANTS, combine_rewards, group_advantages, grpo_loss, reward_metrics
+from grpo_hf.core import (
+    LOSS_VARIANTS,
+    check_finite_rewards,
+    combine_rewards,
+    group_advantages,
+    grpo_loss,
+    reward_metrics,
+)
 from grpo_hf.logprobs import (
     backward_per_group,
     completion_logps,
@@ -43,7 +50,7 @@ from grpo_hf.logprobs import (
 from grpo_hf.models import build_models
 from grpo_hf.parallel import average_gradients
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.reward_models import build_reward_funcs
+from grpo_hf.reward_models import build_reward_funcs, reward_weights
 from grpo_hf.rewards import compute_rewards, reward_func_name
 from grpo_hf.rollout import (
     RepeatSampler,
@@ -58,16 +65,6 @@ from grpo_hf.rollout import (
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
-
-
-def _reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tensor:
-    """One weight per reward function [R] (all 1.0 by default)."""
-    if weights is not None and len(weights) != len(names):
-        raise ValueError(
-            f"reward_weights has {len(weights)} entries but there are {len(names)} reward functions ({names}). "
-            "Give one weight per function."
-        )
-    return torch.tensor(weights or [1.0] * len(names), dtype=torch.float32)
 
 
 def _check_datasets(train_dataset, eval_dataset) -> None:
@@ -160,7 +157,7 @@ class GRPOTrainer(Trainer):
 
         self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        self.reward_weights = _reward_weights(args.reward_weights, self.reward_func_names)
+        self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
 
         super().__init__(
             model=model,
@@ -380,6 +377,7 @@ class GRPOTrainer(Trainer):
         )
         device = self.accelerator.device
         rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
+        check_finite_rewards(rewards, self.reward_func_names)
         return rewards, texts, errors
 
     def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
