@@ -109,6 +109,20 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Micro-batches served by one generation batch. `None`: gradient_accumulation_steps."},
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop the groups whose rewards are all equal (zero advantage) and "
+            "generate for fresh prompts until the generation batch is full of groups with signal."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "Extra generation rounds dynamic sampling may make per generation batch; when they run out, the "
+            "step trains on the groups it has (logged as dynamic_sampling/unfilled_groups)."
+        },
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; must be > 0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
@@ -310,6 +324,11 @@ class GRPOConfig(TrainingArguments):
             )
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
+        if isinstance(self.dynamic_sampling_max_rounds, bool) or self.dynamic_sampling_max_rounds < 0:
+            raise ValueError(
+                f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds!r} must be an int >= 0: the extra "
+                "generation rounds dynamic sampling may make per generation batch (0: drop, never refill)."
+            )
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature={self.temperature} must be > 0: GRPO samples its groups. For greedy decoding in "

@@ -61,16 +61,22 @@ from grpo_hf.rollout import (
     split_into_slices,
     tokenize_prompts,
 )
+from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
 
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
 
 
-def _check_datasets(train_dataset, eval_dataset) -> None:
+def _check_datasets(train_dataset, eval_dataset, dynamic_sampling: bool) -> None:
     """A train dataset is given; each dataset (each split of a dict of them) has a `prompt` column and rows."""
     if train_dataset is None:
         raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+    if dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+        raise ValueError(
+            "dynamic_sampling=True draws fresh prompts by index, so train_dataset must be a map-style dataset "
+            f"(e.g. datasets.Dataset), not {type(train_dataset).__name__}. Turn dynamic_sampling off or convert it."
+        )
     named = [("train_dataset", train_dataset)]
     if isinstance(eval_dataset, dict):  # DatasetDict / IterableDatasetDict / a plain dict: Trainer evaluates each
         named += [(f"eval_dataset[{key!r}]", split) for key, split in eval_dataset.items()]
@@ -153,7 +159,7 @@ class GRPOTrainer(Trainer):
             model_init_kwargs=as_dict(args.model_init_kwargs, "model_init_kwargs"),
             gradient_checkpointing=args.gradient_checkpointing,
         )
-        _check_datasets(train_dataset, eval_dataset)
+        _check_datasets(train_dataset, eval_dataset, args.dynamic_sampling)
 
         self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
@@ -193,6 +199,7 @@ class GRPOTrainer(Trainer):
         self._completion_rows: list[dict[str, Any]] = []
         self._num_tokens = 0
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
+        self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling's prompts
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
@@ -297,6 +304,50 @@ class GRPOTrainer(Trainer):
 
         Returns tensors for this process's rows: prompt_ids/prompt_mask [B, P],
         completion_ids/completion_mask [B, T], advantages [B] (whenever the batch holds whole groups).
+        With `dynamic_sampling`, the rows are those of the groups with signal (`_keep_groups_with_signal`).
+        """
+        args = self.args
+        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
+        rollout, kept = self._rollout_round(inputs, mode, G), None
+        if mode == "train" and args.dynamic_sampling:
+            rollout, kept = self._keep_groups_with_signal(rollout, G)
+        batch = {key: rollout[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        B, total = len(rollout["prompts"]), rollout["total"]  # total: [N], the whole generation batch
+        start = self.accelerator.process_index * B
+        if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
+            if kept is None:
+                advantages = group_advantages(total, G, args.scale_rewards)  # [N]
+            else:  # the group statistics (and a "batch" std) of the kept groups only
+                advantages = torch.zeros_like(total)
+                if bool(kept.any()):
+                    advantages[kept] = group_advantages(total[kept], G, args.scale_rewards)
+            batch["advantages"] = advantages[start : start + B]  # [B]
+        if mode != "train":
+            return batch
+        if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
+            batch["completion_mask"] = batch["completion_mask"] * kept[start : start + B].unsqueeze(1).long()
+        tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+        self._num_tokens += self._sum_processes(tokens)
+        self._metrics["train"]["num_tokens"].append(float(self._num_tokens))
+        if args.mask_truncated_completions:
+            batch["completion_mask"] = batch["completion_mask"] * (~rollout["is_truncated"]).unsqueeze(1).long()
+        if args.log_completions:
+            rows = completion_rows(
+                self.state.global_step,
+                rollout["prompts"],
+                rollout["texts"],
+                self.reward_func_names,
+                rollout["rewards"],
+                batch["advantages"],
+            )
+            self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+        return batch
+
+    def _rollout_round(self, inputs: list[dict[str, Any]], mode: str, G: int) -> dict[str, Any]:
+        """Tokenize, generate and score this process's rows; record the round's metrics.
+
+        Returns this process's prompt/completion tensors [B, ...], `is_truncated` [B], `rewards` [B, R], the
+        `prompts` and completion `texts`, and the combined rewards `total` [N] of the whole generation batch.
         """
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in inputs]
@@ -306,7 +357,6 @@ class GRPOTrainer(Trainer):
             self.processing_class, prompts, args.max_prompt_length, self.chat_template_kwargs
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-
         with self._model_for_generation() as unwrapped:
             completion_ids, completion_mask, is_truncated = self._rollout_engine(unwrapped).generate(
                 unwrapped, prompt_ids, prompt_mask
@@ -315,43 +365,72 @@ class GRPOTrainer(Trainer):
 
         lengths = completion_mask.sum(dim=1)  # [B]
         rewards, texts, errors = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
-
-        # Whole groups may straddle processes: gather, normalise over the full batch, keep our rows.
+        # Whole groups may straddle processes: gather, normalise over the full batch.
         all_rewards = self.accelerator.gather(rewards)  # [N, R]
         total = combine_rewards(all_rewards, self.reward_weights.to(device))  # [N]
-        all_lengths, all_truncated = self.accelerator.gather(lengths), self.accelerator.gather(is_truncated)  # [N]
 
         metrics = self._metrics[mode]
-        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
         self._record_rollout_metrics(metrics, all_rewards, total, errors, G)
-        float_lengths = all_lengths.float()
+        float_lengths = self.accelerator.gather(lengths).float()  # [N]
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())
         metrics["completions/max_length"].append(float_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(all_truncated.float().mean().item())
+        metrics["completions/clipped_ratio"].append(self.accelerator.gather(is_truncated).float().mean().item())
         metrics["prompts/num_truncated"].append(float(self._sum_processes(int(is_prompt_truncated.sum()))))
-
-        batch = {
+        return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
+            "is_truncated": is_truncated,
+            "rewards": rewards,
+            "prompts": prompts,
+            "texts": texts,
+            "total": total,
         }
-        if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
-            advantages = group_advantages(total, G, args.scale_rewards)  # [N]
-            start = self.accelerator.process_index * len(prompts)
-            batch["advantages"] = advantages[start : start + len(prompts)]  # [B]
-        if mode == "train":
-            self._num_tokens += int(self._sum_processes(int(prompt_mask.sum() + lengths.sum())))
-            metrics["num_tokens"].append(float(self._num_tokens))
-            if args.mask_truncated_completions:
-                batch["completion_mask"] = completion_mask * (~is_truncated).unsqueeze(1).long()
-            if args.log_completions:
-                rows = completion_rows(
-                    self.state.global_step, prompts, texts, self.reward_func_names, rewards, batch["advantages"]
-                )
-                self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
-        return batch
+
+    def _keep_groups_with_signal(self, first: dict[str, Any], G: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and
+        generate for fresh prompts, at most `dynamic_sampling_max_rounds` more rounds, until the batch is full.
+
+        Returns this process's share of the new batch (as `_rollout_round`), and `kept` [N] (bool), False on the
+        rows of dropped groups that fill the batch when the rounds ran out.
+        """
+        B, pad = len(first["prompts"]), self.processing_class.pad_token_id
+        pool = GroupPool(num_groups=first["total"].numel() // G, num_generations=G)
+        rollout, rounds, fresh = first, 0, None
+        while True:
+            local = {key: value for key, value in rollout.items() if key != "total"}  # total [N] is global already
+            pool.add({**gather_rows(local, self.accelerator, pad), "total": rollout["total"]})
+            if pool.full or rounds == self.args.dynamic_sampling_max_rounds:
+                break
+            if fresh is None:
+                if self._refill_dataset is None:  # the rows as the dataloader serves them
+                    self._refill_dataset = self._remove_unused_columns(self.train_dataset, description="training")
+                fresh = FreshPrompts(self._refill_dataset, self.args.seed, self.state.global_step)
+            rounds += 1
+            rollout = self._rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), "train", G)
+        rows, kept = pool.batch(pad)
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/dropped_groups"].append(float(pool.num_dropped))
+        metrics["dynamic_sampling/extra_rounds"].append(float(rounds))
+        unfilled = pool.num_groups - min(pool.num_kept, pool.num_groups)
+        metrics["dynamic_sampling/unfilled_groups"].append(float(unfilled))
+        if not pool.full:
+            logger.warning(
+                f"Dynamic sampling: {pool.num_kept} of {pool.num_groups} groups have rewards that differ after "
+                f"{rounds} extra rounds (dynamic_sampling_max_rounds); this step trains on those only. Raise "
+                "dynamic_sampling_max_rounds, or check that the rewards can tell completions apart."
+            )
+        start = self.accelerator.process_index * B
+        local = take_rows(rows, torch.arange(start, start + B))
+        return {**local, "total": rows["total"]}, kept.to(rows["total"].device)
+
+    def _fresh_inputs(self, fresh: FreshPrompts, seen: set[str], B: int, G: int) -> list[dict[str, Any]]:
+        """This process's rows of a generation batch of fresh prompts, G copies of each."""
+        rows = [row for row in fresh.take(B * self.accelerator.num_processes // G, seen) for _ in range(G)]
+        start = self.accelerator.process_index * B
+        return rows[start : start + B]
 
     def _score(self, prompts, columns, completion_ids, lengths):
         """Rewards [B, R] (NaN = None) of each completion, its text, and the error counts of skipped rewards.
