@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,9 @@ import torch
 from accelerate.utils import gather_object
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from grpo_hf import checkpoint
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
 from grpo_hf.core import (
@@ -99,6 +102,10 @@ class _AfterOptimizerStep(TrainerCallback):
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
+            self.trainer.precision_guard.steps = state.global_step
+
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer.rollout is not None:
             self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
@@ -165,6 +172,8 @@ class GRPOTrainer(Trainer):
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
 
+        if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
+            checkpoint.check_writable(args.output_dir)
         super().__init__(
             model=model,
             args=args,
@@ -200,6 +209,7 @@ class GRPOTrainer(Trainer):
         self._num_tokens = 0
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling's prompts
+        self._staging_dir: str | None = None  # set while a checkpoint is written (`_save_checkpoint`)
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
@@ -674,3 +684,74 @@ class GRPOTrainer(Trainer):
                     rows, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
                 )
         super().log(logs, start_time)
+
+    # ---- checkpoints and resume (`grpo_hf.checkpoint`) -------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`. `output_dir` is checked for writing again; `resume_from_checkpoint=True`
+        takes the newest *complete* checkpoint; the GRPO run state (mid-rollout buffer, micro-step, token count,
+        unlogged metrics) is restored with Trainer's, so the resumed run repeats the unbroken one exactly."""
+        if self.args.should_save:  # checked at construction too; it may have changed since
+            checkpoint.check_writable(self.args.output_dir)
+        resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if resume is not None:
+            self._load_run_state(resume)
+        return super().train(
+            resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, plus this process's run state, written under `output_dir/.saving/` and renamed
+        into place once every process has written its part: a `checkpoint-N` directory is always complete."""
+        if self.args.push_to_hub:  # the Hub upload reads the directory Trainer wrote: keep Trainer's layout
+            super()._save_checkpoint(model, trial)
+            checkpoint.save_run_state(self._checkpoint_path(trial), self.accelerator.process_index, self._run_state())
+            return
+        final = self._checkpoint_path(trial)
+        run_dir, name = os.path.split(final)
+        staging = checkpoint.staging_run_dir(run_dir)
+        staged = os.path.join(staging, name)
+        if self.args.should_save and os.path.isdir(staged):  # left by a run killed while saving
+            shutil.rmtree(staged)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        os.makedirs(staged, exist_ok=True)
+        checkpoint.save_run_state(staged, self.accelerator.process_index, self._run_state())
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            best = self.state.best_model_checkpoint
+            if best is not None and best.startswith(staging + os.sep):  # Trainer recorded the staged path
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+            checkpoint.publish(staged, final)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
+    def _checkpoint_path(self, trial) -> str:
+        return os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def _run_state(self) -> dict[str, Any]:
+        return {
+            "micro_step": self._micro_step,
+            "buffer": self._buffer,
+            "num_tokens": self._num_tokens,
+            "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
+        }
+
+    def _load_run_state(self, path: str) -> None:
+        state = checkpoint.load_run_state(path, self.accelerator.process_index, self.accelerator.device)
+        if state is None:
+            logger.warning(
+                f"{path} has no grpo_hf run state ({checkpoint.RUN_STATE.format(rank=self.accelerator.process_index)}"
+                "): it was not written by this version of grpo_hf, or by another number of processes. Training "
+                "resumes from its weights with a fresh rollout, so it does not repeat the original run exactly."
+            )
+            return
+        self._micro_step, self._buffer, self._num_tokens = state["micro_step"], state["buffer"], state["num_tokens"]
+        self._metrics["train"] = defaultdict(list, state["metrics"])

@@ -31,7 +31,8 @@ class RepeatSampler(Sampler[int]):
                                       (d: too few prompts left for a batch, dropped)
 
     Prompts are shuffled under `seed`, with a new order on every pass over the data (deterministic:
-    pass k uses seed + k); the copies inside a group never are. `accelerate` then hands each
+    epoch k uses seed + k; `set_epoch`, which Trainer calls, so a run resumed in epoch k uses that
+    epoch's order); the copies inside a group never are. `accelerate` then hands each
     process its contiguous share of each batch, so a group may straddle processes; the trainer
     gathers rewards before normalising.
     """
@@ -56,15 +57,19 @@ class RepeatSampler(Sampler[int]):
         self.repeat_count = repeat_count
         self.shuffle = shuffle
         self.seed = seed
-        self.num_passes = 0
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The pass over the data the next iteration makes (its prompt order is seed + epoch)."""
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.num_passes)
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_prompts, generator=generator).tolist()
         else:
             order = list(range(self.num_prompts))
-        self.num_passes += 1
+        self.epoch += 1  # without set_epoch, each iteration is the next pass
         num_batches = self.num_prompts // self.prompts_per_batch
         for b in range(num_batches):
             prompts = order[b * self.prompts_per_batch : (b + 1) * self.prompts_per_batch]

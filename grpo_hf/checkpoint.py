@@ -1,0 +1,138 @@
+"""Checkpoints that are whole or absent, and the trainer state that makes a resume exact.
+
+- **Atomic saves.** `Trainer` writes a checkpoint file by file; a kill half-way used to leave a
+  `checkpoint-N` that looks like any other. The trainer now writes it under `output_dir/.saving/`
+  and renames it into place when every process has written its part (`publish`): a directory
+  named `checkpoint-N` is complete.
+- **Resume picks a complete checkpoint.** `last_complete_checkpoint` skips, with a warning, any
+  `checkpoint-N` that lacks the files a resume reads (one written by another tool, or by a run
+  killed while saving before this scheme), and takes the newest complete one.
+- **The run state.** What `Trainer` does not save but a GRPO step depends on, one file per process
+  (`RUN_STATE`): the micro-step inside the generation batch, the buffered rollout (completions,
+  advantages, old and reference log-probs), the token count and the metrics not yet logged. With
+  Trainer's own state (weights, optimizer, scheduler, RNG, step, epoch) it makes a resumed run
+  repeat the uninterrupted one exactly, wherever the checkpoint falls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STAGING_DIR = ".saving"
+RUN_STATE = "grpo_hf_state_rank{rank}.pt"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_ADAPTERS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def check_writable(output_dir: str) -> None:
+    """Create `output_dir` if needed and write a file in it: fail at start-up, not at the first save hours in."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"output_dir={output_dir!r} is not a writable directory ({error.strerror or error}): checkpoints, logs "
+            "and the final model go there. Pass a directory you can write to, or fix its permissions."
+        ) from error
+
+
+def missing_files(checkpoint: str) -> list[str]:
+    """What a resume needs from `checkpoint` and it lacks: the trainer state and the weights (or adapters)."""
+    missing = []
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        missing.append("trainer_state.json")
+    names = set(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else set()
+    deepspeed = any(name.startswith("global_step") for name in names)
+    if not (names & set(_WEIGHTS + _ADAPTERS)) and not deepspeed and not any("fsdp" in n for n in names):
+        missing.append("model weights")
+    return missing
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` of `output_dir` that a resume can read; newer incomplete ones are skipped with a
+    warning naming what they lack."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted(
+        (int(match.group(1)), name) for name in os.listdir(output_dir) if (match := _CHECKPOINT.match(name))
+    )
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if missing := missing_files(path):
+            logger.warning(
+                f"Skipping {path}: it is incomplete (no {', '.join(missing)}), e.g. a run killed while saving it. "
+                "Resuming from the newest complete checkpoint instead; delete the directory to silence this."
+            )
+            continue
+        return path
+    return None
+
+
+def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """`Trainer.train`'s argument -> a checkpoint path: True means the newest complete one in `output_dir`."""
+    if resume_from_checkpoint is True:
+        found = last_complete_checkpoint(output_dir)
+        if found is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True but output_dir={output_dir!r} holds no complete checkpoint-N "
+                "directory. Pass a checkpoint path, or train without resume_from_checkpoint."
+            )
+        return found
+    if resume_from_checkpoint in (None, False):
+        return None
+    if not os.path.isdir(resume_from_checkpoint):
+        raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory.")
+    if missing := missing_files(resume_from_checkpoint):
+        raise ValueError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is incomplete (no {', '.join(missing)}). Pass "
+            "resume_from_checkpoint=True to take the newest complete checkpoint of output_dir."
+        )
+    return resume_from_checkpoint
+
+
+def staging_run_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, STAGING_DIR)
+
+
+def publish(staged: str, final: str) -> None:
+    """Move the fully written checkpoint `staged` to `final` (replacing an older one of the same step)."""
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    try:  # the staging directory is left only when empty
+        os.rmdir(os.path.dirname(staged))
+    except OSError:
+        pass
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to(item, device) for item in value]
+    return value
+
+
+def save_run_state(checkpoint: str, rank: int, state: dict[str, Any]) -> None:
+    torch.save(_to(state, "cpu"), os.path.join(checkpoint, RUN_STATE.format(rank=rank)))
+
+
+def load_run_state(checkpoint: str, rank: int, device: torch.device) -> dict[str, Any] | None:
+    """The run state this process saved in `checkpoint`, on `device`; None for a checkpoint without one."""
+    path = os.path.join(checkpoint, RUN_STATE.format(rank=rank))
+    if not os.path.isfile(path):
+        return None
+    return _to(torch.load(path, map_location="cpu", weights_only=True), device)

@@ -1,0 +1,173 @@
+"""Exact resume: a run stopped after any checkpoint (mid-rollout, mid-epoch, epoch 2, accumulation) and resumed
+logs the same metrics and ends with the same weights as the run that was never stopped; checkpoints are whole
+or absent, even when the process is killed while saving."""
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from datasets import Dataset
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.checkpoint import RUN_STATE, STAGING_DIR
+
+VOLATILE = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+
+
+def reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def make_trainer(output_dir, num_prompts: int = 8, **overrides) -> GRPOTrainer:
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=1)
+    dataset = Dataset.from_dict({"prompt": [f"Question {i}: {i} + {i} =" for i in range(num_prompts)]})
+    settings = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=4,
+        learning_rate=2e-2,
+        beta=0.04,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    args = GRPOConfig(**{**settings, **overrides})
+    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def step_logs(trainer, after: int = 0) -> list[dict]:
+    return [
+        {k: v for k, v in h.items() if k not in VOLATILE}
+        for h in trainer.state.log_history
+        if "loss" in h and h["step"] > after
+    ]
+
+
+def assert_same_run(resumed: GRPOTrainer, unbroken: GRPOTrainer, after: int) -> None:
+    expected = step_logs(unbroken, after)
+    assert expected, "the unbroken run logged no step after the checkpoint"
+    assert step_logs(resumed, after) == expected
+    for (name, p), q in zip(resumed.model.named_parameters(), unbroken.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+RESUME_CASES = {
+    "steps_per_generation=2, mid-rollout": (dict(steps_per_generation=2), 8, 1),
+    "num_iterations=2, mid-rollout": (dict(num_iterations=2), 8, 1),
+    "gradient_accumulation_steps=2": (dict(gradient_accumulation_steps=2, per_device_train_batch_size=2), 8, 1),
+    "checkpoint in epoch 2": (dict(max_steps=6), 2, 3),  # 2 prompts of 4 rows: an epoch is 2 steps
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_a_resumed_run_repeats_the_unbroken_run_exactly(tmp_path, case):
+    overrides, num_prompts, stop_at = RESUME_CASES[case]
+    unbroken = make_trainer(tmp_path / "unbroken", num_prompts, **overrides)
+    unbroken.train()
+    # What a kill right after checkpoint `stop_at` leaves on disk.
+    run = tmp_path / "killed"
+    shutil.copytree(tmp_path / "unbroken" / f"checkpoint-{stop_at}", run / f"checkpoint-{stop_at}")
+    resumed = make_trainer(run, num_prompts, **overrides)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == unbroken.state.global_step
+    assert_same_run(resumed, unbroken, after=stop_at)
+    if case.endswith("mid-rollout"):  # the buffered rollout came back instead of being generated again
+        assert resumed.num_generate_calls < unbroken.num_generate_calls
+
+
+KILLER = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}]
+from test_resume import make_trainer
+from grpo_hf import checkpoint
+
+kill_at = {kill_at!r}
+if {while_saving!r}:
+    publish = checkpoint.publish
+    def publish_then_die(staged, final):
+        if final.endswith(f"checkpoint-{{kill_at}}"):
+            os.kill(os.getpid(), signal.SIGKILL)  # files written, not yet renamed into place
+        publish(staged, final)
+    checkpoint.publish = publish_then_die
+trainer = make_trainer({out!r}, max_steps=4, steps_per_generation=2)
+if not {while_saving!r}:
+    from transformers import TrainerCallback
+    class Die(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    trainer.add_callback(Die())
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("while_saving", [False, True], ids=["after a save", "while saving"])
+def test_sigkill_then_resume_true_repeats_the_unbroken_run(tmp_path, caplog, while_saving):
+    out = tmp_path / "run"
+    script = KILLER.format(tests=str(Path(__file__).parent), kill_at=3, while_saving=while_saving, out=str(out))
+    # Same thread count as this process (the unbroken run below): reductions then round the same way.
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    complete = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert complete == (
+        ["checkpoint-1", "checkpoint-2"] if while_saving else ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    )
+    if while_saving:  # the half-published checkpoint sits in the staging directory, not as checkpoint-3
+        assert (out / STAGING_DIR / "checkpoint-3" / RUN_STATE.format(rank=0)).is_file()
+
+    resumed = make_trainer(out, max_steps=4, steps_per_generation=2)
+    resumed.train(resume_from_checkpoint=True)
+    unbroken = make_trainer(tmp_path / "unbroken", max_steps=4, steps_per_generation=2)
+    unbroken.train()
+    assert_same_run(resumed, unbroken, after=2 if while_saving else 3)
+    assert not (out / STAGING_DIR).exists()  # the next save replaced the leftover and tidied up
+
+
+def test_resume_true_skips_an_incomplete_newest_checkpoint_with_a_warning(tmp_path, caplog):
+    first = make_trainer(tmp_path, max_steps=2)
+    first.train()
+    partial = tmp_path / "checkpoint-7"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    again = make_trainer(tmp_path, max_steps=3)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoint"):
+        again.train(resume_from_checkpoint=True)
+    assert any("Skipping" in r.getMessage() and "checkpoint-7" in r.getMessage() for r in caplog.records)
+    assert again.state.global_step == 3 and step_logs(again, after=2)[0]["step"] == 3
+
+
+def test_resume_errors_name_the_problem(tmp_path):
+    trainer = make_trainer(tmp_path / "empty", max_steps=1)
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ValueError, match=r"incomplete \(no trainer_state.json, model weights\)"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "half"))
+
+
+def test_an_unwritable_output_dir_fails_at_construction_and_at_train(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="output_dir=.*a_file/run.* is not a writable directory"):
+        make_trainer(blocker / "run", max_steps=1)
+    trainer = make_trainer(tmp_path / "run", max_steps=1)
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").write_text("replaced by a file since")
+    with pytest.raises(ValueError, match="is not a writable directory"):
+        trainer.train()
+    assert trainer.num_generate_calls == 0
