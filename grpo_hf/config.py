@@ -24,6 +24,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_sum"]
 RewardErrorPolicy = Literal["raise", "skip"]
 LostUpdateAction = Literal["warn", "raise"]
+NonFiniteAction = Literal["raise", "skip_step"]
 
 
 @dataclass
@@ -286,6 +287,13 @@ class GRPOConfig(TrainingArguments):
         default="warn",
         metadata={"help": "'warn' (log a warning that says how to fix it) or 'raise' when the threshold is exceeded."},
     )
+    on_nonfinite: NonFiniteAction = field(
+        default="raise",
+        metadata={
+            "help": "A NaN/inf advantage, loss or gradient norm: 'raise' stops training before the weights change, "
+            "naming the cause; 'skip_step' drops that optimizer step's update (logged as nonfinite/skipped_steps)."
+        },
+    )
 
     # ---- logging ----------------------------------------------------------------------------------
     log_completions: bool = field(
@@ -307,6 +315,7 @@ class GRPOConfig(TrainingArguments):
         _check_choice("importance_sampling_level", self.importance_sampling_level, ImportanceSamplingLevel)
         _check_choice("reward_error_policy", self.reward_error_policy, RewardErrorPolicy)
         _check_choice("on_lost_updates", self.on_lost_updates, LostUpdateAction)
+        _check_choice("on_nonfinite", self.on_nonfinite, NonFiniteAction)
         if self.lost_update_check_steps < 0:
             raise ValueError(f"lost_update_check_steps={self.lost_update_check_steps} must be >= 0 (0: never).")
         if not 0 <= self.lost_update_threshold <= 1:

@@ -44,6 +44,7 @@ from grpo_hf.core import (
     grpo_loss,
     reward_metrics,
 )
+from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
 from grpo_hf.logprobs import (
     backward_per_group,
     completion_logps,
@@ -101,6 +102,15 @@ class _AfterOptimizerStep(TrainerCallback):
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer._skip_update:  # a non-finite value this step, with on_nonfinite="skip_step": no update at all
+            for param in trainer.model.parameters():
+                param.grad = None  # optimizers leave parameters without a gradient (and their state) untouched
+            trainer._skip_update = False
+            trainer._skipped_steps += 1
+            trainer._metrics["train"]["nonfinite/skipped_steps"].append(float(trainer._skipped_steps))
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
@@ -210,6 +220,9 @@ class GRPOTrainer(Trainer):
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling's prompts
         self._staging_dir: str | None = None  # set while a checkpoint is written (`_save_checkpoint`)
+        self._skip_update = False  # a non-finite value was met in this optimizer step (on_nonfinite="skip_step")
+        self._skipped_steps = 0
+        self._pre_clip_norms: list[tuple[str, torch.Tensor]] | None = None  # per-tensor gradient norms, pre-clip
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
@@ -332,6 +345,8 @@ class GRPOTrainer(Trainer):
                 if bool(kept.any()):
                     advantages[kept] = group_advantages(total[kept], G, args.scale_rewards)
             batch["advantages"] = advantages[start : start + B]  # [B]
+            if mode == "train" and self._nonfinite("advantages", advantages, rollout, G):
+                batch["nonfinite"] = True  # every optimizer step this rollout feeds is skipped
         if mode != "train":
             return batch
         if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
@@ -595,6 +610,8 @@ class GRPOTrainer(Trainer):
             else:
                 logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
                 loss, loss_metrics = self._loss(logps, batch)
+        if batch.get("nonfinite") or self._nonfinite("loss", loss, batch):
+            self._skip_update = True
         mask = batch["completion_mask"]
         metrics = self._metrics["train"]
         for key, value in loss_metrics.items():
@@ -610,6 +627,52 @@ class GRPOTrainer(Trainer):
         if self._average_gradients and self.accelerator.sync_gradients:
             average_gradients(self.accelerator.unwrap_model(model).parameters())
         return loss
+
+    def _clip_grad_norm(self, model):
+        # Clipping by a NaN/inf norm makes every gradient NaN: keep each tensor's norm from before (one fused
+        # kernel, no sync) so that a non-finite norm can name the parameters it came from.
+        named = self.accelerator.unwrap_model(model).named_parameters()
+        params = [(name, p.grad) for name, p in named if p.grad is not None]
+        if params:
+            norms = torch._foreach_norm([grad for _, grad in params])
+            self._pre_clip_norms = [(name, norm) for (name, _), norm in zip(params, norms, strict=True)]
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        if grad_norm is not None and self._nonfinite("gradient norm", torch.as_tensor(grad_norm), model):
+            self._skip_update = True
+        self._pre_clip_norms = None
+        return grad_norm
+
+    def _nonfinite(self, what: str, value: torch.Tensor, *context) -> bool:
+        """True when `value` is NaN/inf on any process; then raise (on_nonfinite="raise") or warn, with the cause
+        (`grpo_hf.guards`) found from `context`: the rollout and group size, the micro-batch, or the model."""
+        bad = not bool(torch.isfinite(value).all())
+        if what == "loss" and self.accelerator.num_processes > 1:  # the others: every process decides alike
+            bad = self._sum_processes(int(bad)) > 0
+        if not bad:
+            return False
+        step = self.state.global_step + 1
+        if what == "advantages":
+            rollout, G = context
+            all_rewards = self.accelerator.gather(rollout["rewards"])
+            cause = explain_advantages(value, all_rewards, self.reward_weights, self.reward_func_names, G)
+        elif what == "loss":
+            cause = explain_loss(value, context[0], self.accelerator.unwrap_model(self.model).named_parameters())
+        else:
+            norms = self._pre_clip_norms or [
+                (name, p.grad) for name, p in self.accelerator.unwrap_model(context[0]).named_parameters()
+            ]
+            cause = explain_gradients(float(value), norms)
+        message = f"Non-finite {what} at optimizer step {step}: {cause}"
+        if self.args.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"{message} Training stopped before this step updated the weights (on_nonfinite='raise'); "
+                "on_nonfinite='skip_step' skips such steps instead."
+            )
+        logger.warning(f"{message} This optimizer step is skipped (on_nonfinite='skip_step').")
+        return True
 
     def _loss(self, logps: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """`core.grpo_loss` of the policy log-probs `logps` [B, T] on this micro-batch, with the config's settings."""
@@ -677,6 +740,9 @@ class GRPOTrainer(Trainer):
             prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
             logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
         collected.clear()
+        tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
+        if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
+            tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
         if mode == "train" and self.args.log_completions and self._completion_rows:
             rows, self._completion_rows = self._completion_rows, []
             if self.accelerator.is_main_process:

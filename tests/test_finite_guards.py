@@ -1,12 +1,15 @@
 """Nothing silently wrong with numbers (issue 14, first part): a reward that overflows float32, a non-finite reward
 weight, and a NaN loss are each visible, never turned into NaN weights or a logged 0."""
 
+import logging
 import math
+import re
 
 import pytest
 import torch
 from conftest import build_tiny_model
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.core import check_finite_rewards
@@ -54,14 +57,97 @@ def test_a_non_finite_reward_weight_is_an_error_at_construction(tmp_path, weight
         _args(tmp_path, reward_weights=[1.0, weight])
 
 
-def test_a_nan_loss_is_logged_as_nan_not_zero(tmp_path, tokenizer):
-    class NaNLoss(GRPOTrainer):
-        def compute_loss(self, *args, **kwargs):
-            return super().compute_loss(*args, **kwargs) * float("nan")
+def _index_reward(completion_ids, **kwargs):
+    return [float(i) for i in range(len(completion_ids))]
 
-    reward = lambda completion_ids, **kw: [float(i) for i in range(len(completion_ids))]  # noqa: E731
-    dataset = Dataset.from_dict({"prompt": ["a", "b"]})
-    trainer = NaNLoss(build_tiny_model(tokenizer), reward, _args(tmp_path), dataset, processing_class=tokenizer)
+
+class NaNReference(GRPOTrainer):
+    """The reference log-probs of the first rollout are NaN (as from a broken reference model)."""
+
+    def _reference_logps(self, batch):
+        logps = super()._reference_logps(batch)
+        return logps * float("nan") if self.num_generate_calls == 1 else logps
+
+
+def _trainer(cls, tmp_path, tokenizer, reward=_index_reward, **overrides):
+    dataset = Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})
+    args = _args(tmp_path, **overrides)
+    return cls(build_tiny_model(tokenizer), reward, args, dataset, processing_class=tokenizer)
+
+
+def _weights(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_a_nan_loss_stops_training_naming_its_cause_before_the_weights_change(tmp_path, tokenizer):
+    trainer = _trainer(NaNReference, tmp_path, tokenizer)
+    before = _weights(trainer)
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss at optimizer step 1: .*ref_logps \(\d+ values\)"):
+        trainer.train()
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before, strict=True))
+
+
+def test_skip_step_drops_the_update_logs_the_nan_loss_and_goes_on(tmp_path, tokenizer):
+    trainer = _trainer(NaNReference, tmp_path, tokenizer, on_nonfinite="skip_step", max_steps=2, learning_rate=1e-2)
+    before = _weights(trainer)
+    updates = []
+    trainer.add_callback(
+        type(
+            "Spy",
+            (TrainerCallback,),
+            {
+                "on_optimizer_step": lambda self, *a, **k: updates.append(
+                    [p.detach().clone() for p in trainer.model.parameters()]
+                )
+            },
+        )()
+    )
     trainer.train()
-    logged = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    assert len(logged) == 1 and math.isnan(logged[0])  # TrainingArguments' default filter would log 0.0
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert math.isnan(logged[0]["loss"])  # TrainingArguments' default filter would log 0.0
+    assert logged[0]["nonfinite/skipped_steps"] == 1 and "nonfinite/skipped_steps" not in logged[1]
+    assert math.isfinite(logged[1]["loss"])
+    assert all(torch.equal(p, q) for p, q in zip(updates[0], before, strict=True))  # step 1: no update at all
+    assert any(not torch.equal(p, q) for p, q in zip(updates[1], before, strict=True))  # step 2 trains
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def _overflowing_rewards(completion_ids, **kwargs):  # each finite in float32, their sum is not
+    return [3e38 if i == 2 else 1.0 for i in range(len(completion_ids))]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_advantages_that_overflow_name_the_reward_functions_and_completion(tmp_path, tokenizer, caplog, policy):
+    trainer = _trainer(
+        GRPOTrainer, tmp_path, tokenizer, reward=[_overflowing_rewards, _overflowing_rewards], on_nonfinite=policy
+    )
+    before = _weights(trainer)
+    expected = (
+        r"Non-finite advantages at optimizer step 1: .*completion 2 \(group 1\).*_overflowing_rewards: 1 x 3e\+38"
+    )
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match=expected):
+            trainer.train()
+    else:
+        with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+            trainer.train()
+        assert any(re.search(expected, r.getMessage()) for r in caplog.records)
+        assert trainer.state.log_history[0]["nonfinite/skipped_steps"] == 1
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before, strict=True))
+
+
+def test_an_infinite_gradient_names_the_parameter(tmp_path, tokenizer):
+    trainer = _trainer(GRPOTrainer, tmp_path, tokenizer)
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if "layers.1.mlp.up_proj" in n)
+    param.register_hook(lambda grad: grad * float("inf"))
+    before = _weights(trainer)
+    with pytest.raises(
+        FloatingPointError, match=rf"Non-finite gradient norm .*non-finite gradients in {re.escape(name)}"
+    ):
+        trainer.train()
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before, strict=True))
+
+
+def test_on_nonfinite_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        _args(tmp_path, on_nonfinite="ignore")

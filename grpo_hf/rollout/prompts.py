@@ -171,11 +171,11 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
 
 
 def split_into_slices(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """Cut a generation batch (tensors [B, ...], or None) into micro-batches of `size` rows, each trimmed of the
-    padding columns it does not need: left of its prompts, right of its completions."""
+    """Cut a generation batch (tensors [B, ...]; other values are copied to every part) into micro-batches of `size`
+    rows, each trimmed of the padding columns it does not need: left of its prompts, right of its completions."""
     slices = []
     for start in range(0, batch["prompt_ids"].size(0), size):
-        part = {k: (v[start : start + size] if v is not None else None) for k, v in batch.items()}
+        part = {k: (v[start : start + size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         keep_p = part["prompt_mask"].any(dim=0).nonzero()
         first = int(keep_p.min()) if keep_p.numel() else 0
         keep_c = part["completion_mask"].any(dim=0).nonzero()
