@@ -12,6 +12,8 @@
   advantages, old and reference log-probs), the token count and the metrics not yet logged. With
   Trainer's own state (weights, optimizer, scheduler, RNG, step, epoch) it makes a resumed run
   repeat the uninterrupted one exactly, wherever the checkpoint falls.
+- **Stopping cleanly.** `StopRequest`: on SIGTERM or Ctrl-C the trainer finishes the step, saves and
+  stops, so a preempted run loses nothing even between `save_steps`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from typing import Any
 
 import torch
@@ -136,3 +140,32 @@ def load_run_state(checkpoint: str, rank: int, device: torch.device) -> dict[str
     if not os.path.isfile(path):
         return None
     return _to(torch.load(path, map_location="cpu", weights_only=True), device)
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C during `train`: finish the optimizer step, save a
+    checkpoint and stop, instead of dying with everything since the last `save_steps` lost. A second Ctrl-C
+    interrupts at once. Outside the main thread (where handlers cannot be set) it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        logger.warning(f"{self.received}: finishing this optimizer step, saving a checkpoint and stopping.")
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

@@ -112,6 +112,16 @@ class _AfterOptimizerStep(TrainerCallback):
             trainer._skipped_steps += 1
             trainer._metrics["train"]["nonfinite/skipped_steps"].append(float(trainer._skipped_steps))
 
+    def on_step_end(self, args, state, control, **kwargs):
+        request = self.trainer._stop_request
+        if request is not None:
+            stop = request.received is not None
+            if self.trainer.accelerator.num_processes > 1:  # one process signalled: all stop at this same step
+                stop = self.trainer._sum_processes(int(stop)) > 0
+            if stop:
+                control.should_save = args.save_strategy != "no"
+                control.should_training_stop = True
+
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
             self.trainer.precision_guard.steps = state.global_step
@@ -222,6 +232,7 @@ class GRPOTrainer(Trainer):
         self._staging_dir: str | None = None  # set while a checkpoint is written (`_save_checkpoint`)
         self._skip_update = False  # a non-finite value was met in this optimizer step (on_nonfinite="skip_step")
         self._skipped_steps = 0
+        self._stop_request: checkpoint.StopRequest | None = None  # SIGTERM / Ctrl-C handling during `train`
         self._pre_clip_norms: list[tuple[str, torch.Tensor]] | None = None  # per-tensor gradient norms, pre-clip
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
@@ -761,9 +772,16 @@ class GRPOTrainer(Trainer):
         resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:
             self._load_run_state(resume)
-        return super().train(
-            resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        with checkpoint.StopRequest() as self._stop_request:
+            output = super().train(
+                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        if self._stop_request.received:
+            logger.warning(
+                f"Training stopped by {self._stop_request.received} after step {self.state.global_step}, checkpoint "
+                "saved: resume with trainer.train(resume_from_checkpoint=True)."
+            )
+        return output
 
     def _get_output_dir(self, trial) -> str:
         return self._staging_dir or super()._get_output_dir(trial)

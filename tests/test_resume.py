@@ -171,3 +171,38 @@ def test_an_unwritable_output_dir_fails_at_construction_and_at_train(tmp_path):
     with pytest.raises(ValueError, match="is not a writable directory"):
         trainer.train()
     assert trainer.num_generate_calls == 0
+
+
+STOPPER = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}]
+from test_resume import make_trainer
+from transformers import TrainerCallback
+
+class Preempt(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before it kills a job
+
+trainer = make_trainer({out!r}, max_steps=6, save_steps=500, steps_per_generation=2)
+trainer.add_callback(Preempt())
+trainer.train()
+print("global_step", trainer.state.global_step)
+"""
+
+
+def test_sigterm_finishes_the_step_saves_and_stops_so_nothing_is_lost(tmp_path):
+    """save_steps=500 would leave nothing on disk at step 3: SIGTERM makes the trainer save and stop cleanly."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    script = STOPPER.format(tests=str(Path(__file__).parent), out=str(out))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global_step 3" in result.stdout and "SIGTERM" in result.stderr
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+
+    resumed = make_trainer(out, max_steps=6, save_steps=500, steps_per_generation=2)
+    resumed.train(resume_from_checkpoint=True)
+    unbroken = make_trainer(tmp_path / "unbroken", max_steps=6, save_steps=500, steps_per_generation=2)
+    unbroken.train()
+    assert_same_run(resumed, unbroken, after=3)
