@@ -822,6 +822,7 @@ class GRPOTrainer(Trainer):
 
     def _run_state(self) -> dict[str, Any]:
         return {
+            "num_processes": self.accelerator.num_processes,
             "micro_step": self._micro_step,
             "buffer": self._buffer,
             "num_tokens": self._num_tokens,
@@ -830,6 +831,8 @@ class GRPOTrainer(Trainer):
 
     def _load_run_state(self, path: str) -> None:
         state = checkpoint.load_run_state(path, self.accelerator.process_index, self.accelerator.device)
+        if state is not None and state["num_processes"] != self.accelerator.num_processes:
+            state = None  # the buffered rollout was cut for another number of processes
         if state is None:
             logger.warning(
                 f"{path} has no grpo_hf run state ({checkpoint.RUN_STATE.format(rank=self.accelerator.process_index)}"
