@@ -1,9 +1,13 @@
-"""Data parallelism the fast log-prob path needs: gradients averaged over processes without DDP's reducer.
+"""Data parallelism: gradients averaged without DDP's reducer, and processes that fail or stop together.
 
 The shared-prompt-prefix forward calls the decoder and the LM head directly (`logprobs.shared_prefix_logits`), not
 the model's `forward`, so under DDP it bypasses the wrapper and DDP's reducer never hears of the backward. The
 trainer then averages the gradients itself, once per optimizer step, exactly as DDP would (a sum over processes
 divided by their number, with a missing gradient counted as zero), in buckets so that the flat copy stays small.
+
+A process that fails alone leaves the others waiting in their next collective. `stop_together` makes a failure in
+user code (a reward function) stop every process with the same message; `check_same_dataset` catches, before the
+first step, a dataset that differs between processes.
 """
 
 from __future__ import annotations
@@ -54,3 +58,46 @@ def _all_reduce_mean(grads: list[torch.Tensor]) -> None:
         for grad in same:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def stop_together(failure: BaseException | None, accelerator, doing: str) -> None:
+    """Every process calls this after work that may fail on some processes only (user code: reward functions).
+
+    If any process failed, every process raises, naming the process(es) and the error, instead of the healthy
+    ones waiting in the next collective for one that is gone (until a timeout, or for ever). One collective.
+    """
+    if accelerator.num_processes == 1:
+        if failure is not None:
+            raise failure
+        return
+    from accelerate.utils import gather_object
+
+    reports = gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"])
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        where = "; ".join(f"process {rank}: {report}" for rank, report in failed)
+        raise RuntimeError(
+            f"Failed while {doing} on {len(failed)} of {len(reports)} processes ({where}). Every "
+            "process stops here, so that none waits for the others."
+        ) from failure
+
+
+def check_same_dataset(dataset, accelerator, name: str = "train_dataset") -> None:
+    """Raise unless every process holds the same dataset (same length, same prompts at a few rows): accelerate gives
+    each process its share of every batch, so a dataset filtered or split per process would make the processes
+    train on different data, or run different numbers of steps and hang."""
+    if accelerator.num_processes == 1 or not hasattr(dataset, "__len__"):
+        return
+    from accelerate.utils import gather_object
+
+    n = len(dataset)
+    rows = sorted({0, n // 2, n - 1}) if n else []
+    signature = (n, [repr(dataset[i]["prompt"]) if "prompt" in dataset[i] else "" for i in rows])
+    signatures = gather_object([signature])
+    if any(other != signatures[0] for other in signatures):
+        lengths = ", ".join(f"process {rank}: {length} rows" for rank, (length, _) in enumerate(signatures))
+        raise ValueError(
+            f"{name} differs between processes ({lengths}; or different prompts at rows {rows}). Every process "
+            "must load the same dataset: accelerate hands each process its share of each batch. Do not filter, "
+            "shuffle or split it per process (e.g. by rank) before passing it to the trainer."
+        )

@@ -52,7 +52,7 @@ from grpo_hf.logprobs import (
     supports_shared_prefix,
 )
 from grpo_hf.models import build_models
-from grpo_hf.parallel import average_gradients
+from grpo_hf.parallel import average_gradients, check_same_dataset, stop_together
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_weights
 from grpo_hf.rewards import compute_rewards, reward_func_name
@@ -400,7 +400,12 @@ class GRPOTrainer(Trainer):
         self.num_generate_calls += 1
 
         lengths = completion_mask.sum(dim=1)  # [B]
-        rewards, texts, errors = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
+        failure = None
+        try:
+            rewards, texts, errors = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
+        except Exception as error:  # reported by every process (`stop_together`), not only by this one
+            failure = error
+        stop_together(failure, self.accelerator, "computing rewards")
         # Whole groups may straddle processes: gather, normalise over the full batch.
         all_rewards = self.accelerator.gather(rewards)  # [N, R]
         total = combine_rewards(all_rewards, self.reward_weights.to(device))  # [N]
@@ -769,6 +774,7 @@ class GRPOTrainer(Trainer):
         unlogged metrics) is restored with Trainer's, so the resumed run repeats the unbroken one exactly."""
         if self.args.should_save:  # checked at construction too; it may have changed since
             checkpoint.check_writable(self.args.output_dir)
+        check_same_dataset(self.train_dataset, self.accelerator)
         resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:
             self._load_run_state(resume)

@@ -1,0 +1,67 @@
+"""A 2-process run (gloo) in which one rank misbehaves; the test checks that every rank stops, soon, saying why.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/distributed/faults.py OUTPUT_DIR MODE
+
+MODE: reward_raises | reward_times_out | short_shard | sigkill (all on rank 1 only).
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from datasets import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
+
+from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def main(output_dir: str, mode: str) -> None:
+    def reward(completion_ids, trainer_state, **kwargs):
+        if RANK == 1 and trainer_state.global_step == 1:
+            if mode == "reward_raises":
+                raise ValueError("the grader's answer key is missing")
+            if mode == "reward_times_out":
+                time.sleep(600)
+        return [float(sum(ids) % 5) for ids in completion_ids]
+
+    num_prompts = 8 if (mode == "short_shard" and RANK == 1) else 12
+    dataset = Dataset.from_dict({"prompt": [f"Prompt {i}" for i in range(num_prompts)]})
+    tokenizer = build_tiny_tokenizer()
+    args = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+        reward_timeout=5 if mode == "reward_times_out" else None,
+        ddp_timeout=60,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(build_tiny_model(tokenizer), reward, args, train_dataset=dataset, processing_class=tokenizer)
+    if mode == "sigkill" and RANK == 1:
+
+        class Die(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_callback(Die())
+    trainer.train()
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
