@@ -123,6 +123,13 @@ class _AfterOptimizerStep(TrainerCallback):
                 control.should_training_stop = True
 
     def on_train_begin(self, args, state, control, **kwargs):
+        blocker = self.trainer._shared_prefix_blocker(self.trainer.model_wrapped)
+        logger.info(
+            "log-prob path: shared prompt prefix"
+            + (", one group's backward at a time" if args.backward_per_group else "")
+            if blocker is None
+            else f"log-prob path: one padded forward over prompt + completion rows ({blocker})"
+        )
         if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
             self.trainer.precision_guard.steps = state.global_step
 
@@ -583,18 +590,25 @@ class GRPOTrainer(Trainer):
         }
 
     def _can_share_prefix(self, model: nn.Module) -> bool:
-        """Whether `logprobs.shared_prefix_logps` applies: the option is on, the model is the bare module or wrapped
-        by DDP only (whose forward the fast path bypasses: `training_step` then averages the gradients itself; FSDP
-        and DeepSpeed shard the weights), it is not gradient-checkpointed (checkpointed layers drop the KV cache)
-        and its architecture qualifies (`supports_shared_prefix`)."""
-        if not self.args.share_prompt_prefix or self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            return False
+        return self._shared_prefix_blocker(model) is None
+
+    def _shared_prefix_blocker(self, model: nn.Module) -> str | None:
+        """Why `logprobs.shared_prefix_logps` does not apply, or None when it does: the option is on, the model is
+        the bare module or wrapped by DDP only (whose forward the fast path bypasses: `training_step` then averages
+        the gradients itself; FSDP and DeepSpeed shard the weights), it is not gradient-checkpointed (checkpointed
+        layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
+        if not self.args.share_prompt_prefix:
+            return "share_prompt_prefix=False"
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return "FSDP/DeepSpeed shard the weights, which only the wrapper's own forward gathers"
         module = self.accelerator.unwrap_model(model)
         if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
-            return False
+            return f"the model is wrapped by {type(model).__name__}"
         if module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.modules()):
-            return False
-        return supports_shared_prefix(module)
+            return "gradient checkpointing drops the prompt's cached keys/values"
+        if not supports_shared_prefix(module):
+            return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
+        return None
 
     def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time (under autocast: the fast

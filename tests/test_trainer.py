@@ -566,3 +566,22 @@ def test_toy_task_learns_from_scratch(tmp_path):
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # A random model scores ~0.1; learning the tag structure alone is worth 0.75.
     assert end > start + 0.3, (start, end)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, "log-prob path: shared prompt prefix, one group's backward at a time"),
+        (
+            {"share_prompt_prefix": False},
+            "log-prob path: one padded forward over prompt + completion rows (share_prompt_prefix=False)",
+        ),
+        ({"gradient_checkpointing": True}, "(gradient checkpointing drops the prompt's cached keys/values)"),
+    ],
+)
+def test_log_prob_path_and_why_are_logged_at_start_up(tmp_path, tiny_llama, tokenizer, caplog, overrides, expected):
+    args = make_args(tmp_path, max_steps=1, **overrides)
+    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    with caplog.at_level(logging.INFO, logger="grpo_hf.trainer"):
+        trainer.train()
+    assert any(expected in record.getMessage() for record in caplog.records)
