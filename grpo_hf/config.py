@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from transformers import TrainingArguments
 
-from grpo_hf.core import check_loss_settings
+from grpo_hf.core import check_entropy_settings, check_loss_settings
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +196,43 @@ class GRPOConfig(TrainingArguments):
     vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO rate lambda for A >= 0."})
     vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO shape k for A < 0."})
     vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO rate lambda for A < 0."})
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "rho of 'Beyond the 80/20 rule': train the policy term only on the top-rho fraction of completion "
+            "tokens by entropy (threshold: the (1 - rho) quantile over the micro-batch's completion tokens on all "
+            "processes; the KL term keeps every token). In [0, 1]: 1.0 all tokens, 0.0 the highest-entropy one; the "
+            "paper uses 0.2. Not with importance_sampling_level='sequence_sum'. Below 1.0, backward_per_group does "
+            "not apply (the mask needs every group's entropy first): one backward per micro-batch."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Entropy bonus: loss -= entropy_coef x the mean per-token entropy over the policy term's tokens, "
+            "the same for every loss_type. With use_adaptive_entropy, the starting coefficient. 0.0: off."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Skywork-OR1's adaptive entropy control: after each optimizer step, entropy_coef grows by "
+            "entropy_coef_delta if that step's mean entropy (all micro-batches and processes) is <= entropy_target, "
+            "else shrinks by it; the bonus applies only while the entropy is <= entropy_target."
+        },
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Upper bound of the adaptive entropy_coef."})
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Step of the adaptive entropy_coef per optimizer step (>= 0)."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "Adaptive control's target mean entropy (nats per token, over the policy term's tokens). Language "
+            "models often sit at 2-10 nats, where 0.2 never triggers: set it near the `entropy` logged early on."
+        },
+    )
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function. `None`: all 1.0."}
     )
@@ -321,11 +357,10 @@ class GRPOConfig(TrainingArguments):
         if not 0 <= self.lost_update_threshold <= 1:
             raise ValueError(f"lost_update_threshold={self.lost_update_threshold} must be a fraction in [0, 1].")
 
-        if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
-            raise ValueError(
-                f"reward_weights={self.reward_weights} has a non-finite entry: every weight must be a finite number "
-                "(0 turns a reward function off)."
-            )
+        if self.reward_weights is not None:
+            from grpo_hf.validation import check_reward_weights
+
+            check_reward_weights(self.reward_weights)  # a list of finite numbers
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to compare "
@@ -367,6 +402,8 @@ class GRPOConfig(TrainingArguments):
                 "'token'/'sequence'."
             )
         for message in check_loss_settings(**{name: getattr(self, name) for name in _LOSS_SETTINGS}):
+            logger.warning(message)
+        for message in check_entropy_settings(**{name: getattr(self, name) for name in _ENTROPY_SETTINGS}):
             logger.warning(message)
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
@@ -425,6 +462,10 @@ class GRPOConfig(TrainingArguments):
         """The keyword arguments of `core.grpo_loss` this config sets (TRL's names): numbers, not the config."""
         return {name: getattr(self, name) for name in _LOSS_KWARGS}
 
+    def entropy_kwargs(self) -> dict[str, Any]:
+        """The fields of `core.EntropyControl` (the entropy bonus's coefficient) this config sets, same names."""
+        return {name: getattr(self, name) for name in _ENTROPY_CONTROL}
+
     @classmethod
     def from_trl_defaults(cls, **kwargs) -> GRPOConfig:
         """A config that starts from TRL's `GRPOConfig` defaults (`TRL_DEFAULTS`) where grpo_hf's differ; `kwargs`
@@ -478,6 +519,20 @@ _LOSS_SETTINGS = (
     "vespo_lambda_pos",
     "vespo_lambda_neg",
 )
+
+
+# GRPOConfig fields that make `core.EntropyControl` (the entropy bonus's coefficient), with the same names.
+_ENTROPY_CONTROL = (
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "entropy_coef_min",
+    "entropy_coef_max",
+    "entropy_coef_delta",
+    "entropy_target",
+)
+
+# GRPOConfig fields that `core.check_entropy_settings` checks (it takes the same names).
+_ENTROPY_SETTINGS = ("top_entropy_quantile", "importance_sampling_level", *_ENTROPY_CONTROL)
 
 
 # GRPOConfig fields that are keyword arguments of `core.grpo_loss`, with the same names.

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.core import entropy_from_logits, prompt_runs, selective_log_softmax
+from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 
 Batch = dict[str, Any]
 
@@ -131,12 +131,19 @@ def shared_prefix_logits(model: nn.Module, batch: dict[str, Any]) -> Iterator[tu
 
 
 def padded_logps(
-    model: nn.Module, batch: Batch, *, temperature: float = 1.0, chunk_size: int | None = None, with_entropy=False
+    model: nn.Module,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
     Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included. The LM head runs only on the
-    T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`.
+    T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`, with a
+    gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
     """
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
@@ -151,11 +158,17 @@ def padded_logps(
         logits_to_keep=T + 1,
         use_cache=False,
     ).logits[:, :-1, :]  # [B, T, V]
-    return _logps_and_entropy(logits, completion_ids, temperature, chunk_size, with_entropy)
+    return _logps_and_entropy(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
 
 
 def shared_prefix_logps(
-    model: nn.Module, batch: Batch, *, temperature: float = 1.0, chunk_size: int | None = None, with_entropy=False
+    model: nn.Module,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
     bucket get 0. Needs the bare model (`supports_shared_prefix`)."""
@@ -166,7 +179,7 @@ def shared_prefix_logps(
         t = logits.size(1)
         rows.append(bucket)
         part_logps, part_entropy = _logps_and_entropy(
-            logits, completion_ids[bucket, :t], temperature, chunk_size, with_entropy
+            logits, completion_ids[bucket, :t], temperature, chunk_size, with_entropy, entropy_grad
         )  # [n, t] each
         logps.append(nn.functional.pad(part_logps, (0, T - t)))  # [n, T]
         if with_entropy:
@@ -176,14 +189,23 @@ def shared_prefix_logps(
 
 
 def _logps_and_entropy(
-    logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float, chunk_size: int | None, with_entropy: bool
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the sampled distribution: logits [n, t, V] at `temperature`, in row chunks."""
+    """Log-probs (and entropy, with a gradient if `entropy_grad`) of the sampled distribution: logits [n, t, V] at
+    `temperature`, in row chunks."""
     if temperature != 1.0:
         logits = logits / temperature
     logps = selective_log_softmax(logits, completion_ids, chunk_size=chunk_size)  # [n, t]
-    entropy = entropy_from_logits(logits.detach(), chunk_size=chunk_size) if with_entropy else None  # [n, t]
-    return logps, entropy
+    if not with_entropy:
+        return logps, None
+    if entropy_grad:
+        return logps, entropy_with_grad(logits, chunk_size=chunk_size)  # [n, t]
+    return logps, entropy_from_logits(logits.detach(), chunk_size=chunk_size)  # [n, t]
 
 
 def completion_logps(
@@ -195,15 +217,17 @@ def completion_logps(
 
 @torch.no_grad()
 def logps_in_chunks(model: nn.Module, batch: Batch, micro_batch_size: int, *, share_prefix: bool, **kwargs):
-    """No-grad log-probs [B, T] for a whole generation batch, `micro_batch_size` rows at a time, dropout off."""
+    """No-grad log-probs [B, T] for a whole generation batch, `micro_batch_size` rows at a time, dropout off.
+    With `with_entropy=True` in `kwargs`: `(logps, entropy)`, both [B, T]."""
     was_training = model.training
     model.eval()
     try:
         parts = []
         for start in range(0, batch["prompt_ids"].size(0), micro_batch_size):
             part = {k: batch[k][start : start + micro_batch_size] for k in _INPUT_KEYS}
-            parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs)[0])
-        return torch.cat(parts)
+            parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs))
+        logps = torch.cat([part[0] for part in parts])  # [B, T]
+        return (logps, torch.cat([part[1] for part in parts])) if kwargs.get("with_entropy") else logps
     finally:
         model.train(was_training)
 
@@ -214,8 +238,10 @@ _INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 def backward_per_group(
     model: nn.Module,
     batch: Batch,
-    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
     backward_fn: Callable[[torch.Tensor], None],
+    *,
+    entropy_in_loss: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
@@ -227,7 +253,14 @@ def backward_per_group(
     earlier groups, placeholders for later ones), and `backward_fn(loss)` backpropagates the full loss,
     reaching only this group's graph, which is then freed. The last group's loss, whose rows are all
     real, is returned for the caller to backpropagate; its value and metrics are those of the whole
-    micro-batch. `kwargs` go to `shared_prefix_logps`. Returns `(loss, metrics, entropy [B, T])`.
+    micro-batch. `kwargs` go to `shared_prefix_logps`. Returns `(loss, metrics, entropy [B, T])`, the entropy
+    detached.
+
+    With `entropy_in_loss`, `loss_fn(logps, entropy)` also gets the entropy [B, T], built the same way: this
+    group's rows from its forward (with a gradient when `entropy_grad=True` is in `kwargs`), earlier groups'
+    detached, zeros for later ones. The gradient stays exact for terms that are sums over rows with fixed
+    weights (`core.entropy_bonus` over a fixed token set), not for a token set chosen from every row's entropy
+    (`core.high_entropy_mask`): that needs every group's entropy before the first backward, i.e. one backward.
     """
     runs = prompt_runs(batch["prompt_ids"], batch["prompt_mask"])
     # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
@@ -238,10 +271,14 @@ def backward_per_group(
     entropy = torch.zeros_like(values)  # [B, T]
     for k, (start, stop) in enumerate(runs):
         part = {key: batch[key][start:stop] for key in _INPUT_KEYS}
-        logps, entropy[start:stop] = shared_prefix_logps(model, part, with_entropy=True, **kwargs)  # [n, T] each
+        logps, part_entropy = shared_prefix_logps(model, part, with_entropy=True, **kwargs)  # [n, T] each
         logps = logps.to(values.dtype)
-        loss, metrics = loss_fn(torch.cat([values[:start], logps, values[stop:]]))  # [B, T]
+        inputs = [torch.cat([values[:start], logps, values[stop:]])]  # [B, T]
+        if entropy_in_loss:
+            inputs.append(torch.cat([entropy[:start], part_entropy.to(entropy.dtype), entropy[stop:]]))  # [B, T]
+        loss, metrics = loss_fn(*inputs)
         values[start:stop] = logps.detach()
+        entropy[start:stop] = part_entropy.detach()
         if k < len(runs) - 1:
             backward_fn(loss)
     return loss, metrics, entropy

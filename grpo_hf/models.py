@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_hf.validation import check_local_path, check_processing_class
+
 logger = logging.getLogger(__name__)
 
 OFFLINE_MODEL_ID = "offline:SmolLM2-135M-Instruct"
@@ -175,7 +177,7 @@ def load_model(
     """
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
-    path = resolve_model_path(name_or_path, cache_dir)
+    path = check_local_path(resolve_model_path(name_or_path, cache_dir), "model")
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except OSError as err:
@@ -188,7 +190,7 @@ def load_tokenizer(
     name_or_path: str, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
 ) -> PreTrainedTokenizerBase:
     """Load a tokenizer, left-padded, with a pad token (the EOS token if it has none)."""
-    path = resolve_model_path(name_or_path, cache_dir)
+    path = check_local_path(resolve_model_path(name_or_path, cache_dir), "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as err:
@@ -246,7 +248,14 @@ def build_models(
             f"model must be a model id/path, a PreTrainedModel or a peft.PeftModel, got {type(model).__name__}."
         )
     if processing_class is None:
-        processing_class = load_tokenizer(model_id or model.config._name_or_path)
+        source = model_id or model.config._name_or_path
+        if not source:
+            raise ValueError(
+                "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer as "
+                "processing_class."
+            )
+        processing_class = load_tokenizer(source)
+    check_processing_class(processing_class)
     processing_class.padding_side = "left"
     if processing_class.pad_token is None:
         processing_class.pad_token = processing_class.eos_token

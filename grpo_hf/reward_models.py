@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_hf.rewards import completion_text, get_reward_funcs, names_a_reward_model
+from grpo_hf.validation import check_local_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class RewardModel:
     ):
         if isinstance(model, (str, os.PathLike)):
             model = AutoModelForSequenceClassification.from_pretrained(
-                os.fspath(model), num_labels=1, **(model_init_kwargs or {})
+                check_local_path(os.fspath(model), "reward model"), num_labels=1, **(model_init_kwargs or {})
             )
         if not isinstance(model, PreTrainedModel):
             raise TypeError(f"RewardModel needs a PreTrainedModel or a path to one, got {type(model).__name__}.")
@@ -82,7 +83,7 @@ class RewardModel:
                     "RewardModel got a model built in memory and no processing_class: pass the reward model's "
                     "tokenizer (GRPOTrainer: reward_processing_classes)."
                 )
-            processing_class = AutoTokenizer.from_pretrained(source)
+            processing_class = AutoTokenizer.from_pretrained(check_local_path(source, "reward tokenizer"))
         if processing_class.pad_token is None:
             if processing_class.eos_token is None:
                 raise ValueError("The reward tokenizer has neither a pad token nor an EOS token to pad with; set one.")

@@ -33,15 +33,18 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from grpo_hf import checkpoint
+from grpo_hf import checkpoint, validation  # validation: the input checks, and when each runs
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
 from grpo_hf.core import (
     LOSS_VARIANTS,
+    EntropyControl,
     check_finite_rewards,
     combine_rewards,
+    entropy_bonus,
     group_advantages,
     grpo_loss,
+    high_entropy_mask,
     reward_metrics,
 )
 from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
@@ -72,29 +75,14 @@ logger = logging.getLogger(__name__)
 RewardFunc = Callable[..., list] | str | PreTrainedModel
 
 
-def _check_datasets(train_dataset, eval_dataset, dynamic_sampling: bool) -> None:
-    """A train dataset is given; each dataset (each split of a dict of them) has a `prompt` column and rows."""
-    if train_dataset is None:
-        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
-    if dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
-        raise ValueError(
-            "dynamic_sampling=True draws fresh prompts by index, so train_dataset must be a map-style dataset "
-            f"(e.g. datasets.Dataset), not {type(train_dataset).__name__}. Turn dynamic_sampling off or convert it."
-        )
-    named = [("train_dataset", train_dataset)]
-    if isinstance(eval_dataset, dict):  # DatasetDict / IterableDatasetDict / a plain dict: Trainer evaluates each
-        named += [(f"eval_dataset[{key!r}]", split) for key, split in eval_dataset.items()]
-    elif eval_dataset is not None:
-        named.append(("eval_dataset", eval_dataset))
-    for split, dataset in named:
-        columns = getattr(dataset, "column_names", None)
-        if columns is not None and "prompt" not in columns:
-            raise ValueError(
-                f"{split} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
-                "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
-            )
-        if hasattr(dataset, "__len__") and len(dataset) == 0:
-            raise ValueError(f"{split} is empty: it needs at least one prompt.")
+def _config_or_default(args: GRPOConfig | None, model) -> GRPOConfig:
+    """`args`, checked to be a GRPOConfig, or TRL's default when None: output_dir `<model name>-GRPO`."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = GRPOConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
+    return args
 
 
 class _AfterOptimizerStep(TrainerCallback):
@@ -177,13 +165,9 @@ class GRPOTrainer(Trainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers=(None, None),
     ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = GRPOConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
-
+        args = _config_or_default(args, model)
         args.log_defaults_differing_from_trl()
+        validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         model, ref_model, processing_class = build_models(
             model,
             processing_class,
@@ -193,10 +177,13 @@ class GRPOTrainer(Trainer):
             model_init_kwargs=as_dict(args.model_init_kwargs, "model_init_kwargs"),
             gradient_checkpointing=args.gradient_checkpointing,
         )
-        _check_datasets(train_dataset, eval_dataset, args.dynamic_sampling)
+        validation.check_policy_model(model, processing_class, peft_config)
+        max_positions = validation.model_max_positions(model)
+        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
 
         self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+        validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
 
         if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
@@ -244,6 +231,7 @@ class GRPOTrainer(Trainer):
         self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
+        self._entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient, adaptive or not
         self.add_callback(_AfterOptimizerStep(self))
 
     def _place_models(self, ref_model):
@@ -610,11 +598,12 @@ class GRPOTrainer(Trainer):
             return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
         return None
 
-    def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any], **kwargs) -> torch.Tensor:
         """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time (under autocast: the fast
         path calls the decoder and LM head directly, not the autocast-wrapped forward)."""
+        size, kwargs = self.args.per_device_train_batch_size, {**self._logprob_kwargs(model), **kwargs}
         with self.accelerator.autocast():
-            return logps_in_chunks(model, batch, self.args.per_device_train_batch_size, **self._logprob_kwargs(model))
+            return logps_in_chunks(model, batch, size, **kwargs)
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -631,15 +620,19 @@ class GRPOTrainer(Trainer):
         if kwargs["share_prefix"]:  # the bare module: a DDP wrapper's forward is bypassed (see `training_step`)
             model = self.accelerator.unwrap_model(model)
             self._average_gradients = self.accelerator.num_processes > 1
+        kwargs["entropy_grad"] = self._entropy.applied != 0  # the bonus is differentiated; else entropy is a metric
         with self.accelerator.autocast():
-            if args.backward_per_group and kwargs["share_prefix"]:
+            # top_entropy_quantile < 1: a group's token mask depends on every group's entropy, so one backward
+            if args.backward_per_group and kwargs["share_prefix"] and args.top_entropy_quantile == 1.0:
                 del kwargs["share_prefix"]
+                policy_mask, loss_fn = None, lambda logps, entropy: self._loss(logps, batch, entropy)
                 loss, loss_metrics, entropy = backward_per_group(
-                    model, batch, lambda logps: self._loss(logps, batch), self._backward_early, **kwargs
+                    model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
                 logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
-                loss, loss_metrics = self._loss(logps, batch)
+                policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])  # [B, T] or None: all
+                loss, loss_metrics = self._loss(logps, batch, entropy, policy_mask)
         if batch.get("nonfinite") or self._nonfinite("loss", loss, batch):
             self._skip_update = True
         mask = batch["completion_mask"]
@@ -647,7 +640,8 @@ class GRPOTrainer(Trainer):
         for key, value in loss_metrics.items():
             metrics[key].append(value)
         mask_f = mask.float()
-        metrics["entropy"].append(((entropy * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
+        metrics["entropy"].append(((entropy.detach() * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
+        self._track_entropy(entropy, mask if policy_mask is None else mask * policy_mask)
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -704,24 +698,58 @@ class GRPOTrainer(Trainer):
         logger.warning(f"{message} This optimizer step is skipped (on_nonfinite='skip_step').")
         return True
 
-    def _loss(self, logps: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """`core.grpo_loss` of the policy log-probs `logps` [B, T] on this micro-batch, with the config's settings."""
-        args = self.args
+    def _loss(
+        self, logps: torch.Tensor, batch: dict[str, Any], entropy=None, policy_mask=None, train: bool = True
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`core.grpo_loss` of the policy log-probs `logps` [B, T] on this micro-batch, with the config's settings: the
+        policy term on the tokens of `policy_mask` [B, T] (None: all), minus the entropy bonus of `entropy` [B, T]
+        when it is on (`core.entropy_bonus`). Evaluation (`train=False`): on-policy, nothing accumulated."""
+        args, mask = self.args, batch["completion_mask"]
         loss, metrics = grpo_loss(
             logps,
-            batch["old_logps"],
+            batch.get("old_logps"),
             batch["ref_logps"],
             batch["advantages"],
-            batch["completion_mask"],
-            num_items_in_batch=batch["num_items_in_batch"],
+            mask,
+            num_items_in_batch=batch["num_items_in_batch"] if train else mask.sum(),
+            policy_mask=policy_mask,
             **args.loss_kwargs(),
         )
-        if LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: over the global tokens
+        if train and LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens
             # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer
             # divides each micro-batch loss by the accumulation steps and data parallelism averages
             # gradients over processes; undo both so the gradient is exactly that sum / count.
             loss = loss * self.current_gradient_accumulation_steps * self.accelerator.num_processes
+        if self._entropy.enabled:  # TRL: loss = policy loss - coef x mean entropy, the same for every loss type
+            metrics["policy_loss"] = loss.item()
+            tokens = mask if policy_mask is None else mask * policy_mask  # the policy term's tokens
+            loss = loss - entropy_bonus(entropy, tokens, self._entropy.applied)
         return loss, metrics
+
+    def _high_entropy_mask(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+        """`core.high_entropy_mask` [B, T] for `top_entropy_quantile` (None at 1.0: every token). Its threshold is
+        taken over the completion tokens of this micro-batch on every process, as TRL does."""
+        if self.args.top_entropy_quantile == 1.0:
+            return None
+        entropy = entropy.detach()
+        pool = entropy[mask.bool()]  # [n] this process's completion tokens
+        if self.accelerator.num_processes > 1:
+            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, pad_index=-1.0))
+            pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
+        return high_entropy_mask(entropy, mask, self.args.top_entropy_quantile, pool)
+
+    def _track_entropy(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        """Adaptive entropy control (`core.EntropyControl`): this micro-batch's entropy over its policy-term tokens
+        `mask` joins the window; at an optimizer step, the window's entropy over every process updates the coefficient.
+        `entropy_coef` is logged once per optimizer step while the bonus is on (TRL)."""
+        control, accelerator = self._entropy, self.accelerator
+        if control.use_adaptive_entropy:
+            control.accumulate(entropy, mask)
+            if accelerator.sync_gradients:
+                window = control.window
+                control.step(accelerator.reduce(window, "sum") if accelerator.num_processes > 1 else window)
+        if control.enabled and accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(control.entropy_coef)
 
     def _backward_early(self, loss: torch.Tensor) -> None:
         """Backpropagate one group's share of the loss (`logprobs.backward_per_group`) as Trainer would."""
@@ -733,23 +761,17 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Sample `num_generations_eval` completions per eval prompt, record their rewards, and return their GRPO loss
-        under the current policy (on-policy, ratio 1; the KL to the reference when beta != 0): `eval_loss`."""
+        under the current policy (on-policy, ratio 1; the KL to the reference when beta != 0; the high-entropy mask
+        and the entropy bonus as in training, the adaptive coefficient left unchanged): `eval_loss`."""
         batch = self._generate_and_score(inputs, "eval")
         if "advantages" not in batch:  # the batch cut a group: no advantages, no loss
             return None, None, None
         batch["ref_logps"] = self._reference_logps(batch)
-        logps = self._logps_in_chunks(self.model, batch)  # [B, T]
-        tokens = batch["completion_mask"].sum()
-        kwargs = self.args.loss_kwargs()
-        loss, _ = grpo_loss(
-            logps,
-            None,
-            batch["ref_logps"],
-            batch["advantages"],
-            batch["completion_mask"],
-            num_items_in_batch=tokens,
-            **kwargs,
-        )
+        with_entropy = self._entropy.enabled or self.args.top_entropy_quantile < 1.0
+        logps = self._logps_in_chunks(self.model, batch, with_entropy=with_entropy)  # [B, T], (+ entropy [B, T])
+        logps, entropy = logps if with_entropy else (logps, None)
+        policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])
+        loss, _ = self._loss(logps, batch, entropy, policy_mask, train=False)
         return loss.detach(), None, None
 
     # ---- logging ---------------------------------------------------------------------------------------------
@@ -846,12 +868,13 @@ class GRPOTrainer(Trainer):
             "micro_step": self._micro_step,
             "buffer": self._buffer,
             "num_tokens": self._num_tokens,
+            "entropy_control": self._entropy.state(),
             "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
         }
 
     def _load_run_state(self, path: str) -> None:
         state = checkpoint.load_run_state(path, self.accelerator.process_index, self.accelerator.device)
-        if state is not None and state["num_processes"] != self.accelerator.num_processes:
+        if state is not None and state.get("num_processes") != self.accelerator.num_processes:
             state = None  # the buffered rollout was cut for another number of processes
         if state is None:
             logger.warning(
@@ -862,3 +885,4 @@ class GRPOTrainer(Trainer):
             return
         self._micro_step, self._buffer, self._num_tokens = state["micro_step"], state["buffer"], state["num_tokens"]
         self._metrics["train"] = defaultdict(list, state["metrics"])
+        self._entropy.load_state(state.get("entropy_control"))  # adaptive entropy_coef; None in older checkpoints

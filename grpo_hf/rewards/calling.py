@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import numbers
 import os
 import threading
 import warnings
@@ -24,13 +25,14 @@ from grpo_hf.rewards.functions import reward_func_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compute_rewards"]
+__all__ = ["REWARD_ARGUMENTS", "compute_rewards"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Calling reward functions: validation, async, timeouts, error policy
 # ---------------------------------------------------------------------------------------------------------------------
 
-_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+"""The keyword arguments every reward function gets besides the dataset columns (which must not share these names)."""
 _ERROR_POLICIES = ("raise", "skip")
 
 
@@ -152,8 +154,21 @@ def _short(value: Any, limit: int = 300) -> str:
 
 def _describe_sample(kwargs: dict, i: int) -> str:
     parts = [f"prompt={_short(kwargs['prompts'][i])}", f"completion={_short(kwargs['completions'][i])}"]
-    parts += [f"{k}={_short(v[i], 120)}" for k, v in kwargs.items() if k not in _RESERVED and v is not None]
+    parts += [f"{k}={_short(v[i], 120)}" for k, v in kwargs.items() if k not in REWARD_ARGUMENTS and v is not None]
     return ", ".join(parts)
+
+
+def _is_real_number(value: Any) -> bool:
+    """A reward value: any `numbers.Real` (int, float, bool, Fraction, NumPy floats and ints), or a NumPy scalar /
+    array or a torch tensor of one real element (recognised by module name: this package imports neither)."""
+    if isinstance(value, numbers.Real):
+        return True
+    library = type(value).__module__.partition(".")[0]
+    if library == "numpy":
+        return getattr(value, "size", 0) == 1 and getattr(value.dtype, "kind", "") in ("b", "i", "u", "f")
+    if library == "torch":
+        return callable(getattr(value, "numel", None)) and value.numel() == 1 and not value.dtype.is_complex
+    return False
 
 
 def _to_floats(name: str, values: Any, n: int) -> list[float | None]:
@@ -173,13 +188,13 @@ def _to_floats(name: str, values: Any, n: int) -> list[float | None]:
         if v is None:
             out.append(None)
             continue
-        try:
-            x = float(v)
-        except (TypeError, ValueError) as e:
+        if not _is_real_number(v):
             raise TypeError(
                 f"Reward function {name!r} returned {_short(v, 80)} ({type(v).__name__}) for completion {i}; "
-                "expected a float or None."
-            ) from e
+                "expected a float or None: a reward is an int, float, bool or None (NumPy numbers and one-element "
+                "arrays or tensors also work; strings, even '0.5', do not). Return float(...) of your score."
+            )
+        x = float(v)
         if math.isfinite(x):
             out.append(x)
         else:
@@ -296,7 +311,7 @@ def compute_rewards(
         **({"completion_ids": len(completion_ids)} if completion_ids is not None else {}),
     }
     for key, value in columns.items():
-        if key in _RESERVED:
+        if key in REWARD_ARGUMENTS:
             raise ValueError(f"Column {key!r} clashes with a reward-function argument; rename it.")
         lengths[key] = len(value)
     wrong = {k: v for k, v in lengths.items() if v != n}

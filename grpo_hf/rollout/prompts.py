@@ -166,7 +166,10 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     if not ids:
-        raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token.")
+        raise ValueError(
+            "Neither the model's generation_config nor the tokenizer defines an EOS token, so no completion could "
+            "end. Set tokenizer.eos_token (e.g. '<|im_end|>') or model.generation_config.eos_token_id."
+        )
     return sorted(ids)
 
 

@@ -1,0 +1,467 @@
+"""Input checks up front (issue 14): bad inputs fail when the trainer is built, not steps into training, with a
+message that names the field, the argument or the dataset row, and says what to change.
+
+What is checked when:
+
+- `GRPOConfig(...)` (`__post_init__`): field ranges and choices, batch divisibility, `check_reward_weights`.
+- `GRPOTrainer(...)`, in this order, before anything is generated:
+  1. `check_generation_kwargs`: every `generation_kwargs` key is a `GenerationConfig` field (a typo gets the closest
+     name), and none undoes what GRPO relies on (sampling, one completion per row, the config's temperature and
+     max_completion_length, which the log-probs and the loss use).
+  2. `models.build_models`: `check_local_path` (a string that can only be a local path and does not exist is
+     reported as a missing path, not as an unreachable Hub) and `check_processing_class`.
+  3. `check_policy_model`: a decoder-only causal LM whose vocabulary covers the tokenizer, a pad token, and
+     trainable parameters (or adapters from `peft_config`).
+  4. `check_datasets`: each dataset (train, eval, each split of a dict of eval datasets) is map-style
+     (`_require_map_style`: the one place that says which dataset types are supported), has a 'prompt' column,
+     no column named like a reward-function argument, and (train) rows for one generation batch; then one pass over
+     its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to render
+     them; and, only where left-truncation to `max_prompt_length` does not already keep prompt + completion within
+     the model's positions, the token length of the longest prompts (`_check_prompt_lengths`). Large datasets are
+     sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
+  5. `reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
+     `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
+     argument it requires.
+  6. the number of `reward_weights`; `checkpoint.check_writable(output_dir)`; after `Trainer.__init__`, the EOS
+     ids (`rollout.eos_token_ids_of`) and `chat_template_kwargs`.
+- At every reward call (`rewards.calling`): each value a reward function returns is an int, float, bool or None
+  (`numbers.Real`; NumPy numbers and one-element arrays or tensors count too; strings, even "0.5", do not).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import math
+import numbers
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import datasets
+from transformers import GenerationConfig
+
+from grpo_hf.config import as_dict
+from grpo_hf.rewards.calling import REWARD_ARGUMENTS
+from grpo_hf.rollout.prompts import is_conversational, prompt_text
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MAX_ROWS_SCANNED",
+    "MAX_ROWS_TOKENIZED",
+    "check_dataset",
+    "check_datasets",
+    "check_generation_kwargs",
+    "check_local_path",
+    "check_policy_model",
+    "check_processing_class",
+    "check_reward_funcs",
+    "check_reward_weights",
+    "looks_like_local_path",
+    "model_max_positions",
+]
+
+MAX_ROWS_SCANNED = 100_000
+"""Rows whose prompt is checked for type and content; larger datasets: a random sample of this many (1-2 s)."""
+MAX_ROWS_TOKENIZED = 2_000
+"""Prompts tokenized to check their length: at most this many, the longest by characters (under a second)."""
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+_CHUNK = 10_000  # rows read at once from a datasets.Dataset
+_CHAT_EXAMPLE = "[{'role': 'user', 'content': 'What is 2 + 2?'}]"
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+# ---- settings and models ---------------------------------------------------------------------------------------
+def check_reward_weights(weights: Any) -> None:
+    """`reward_weights`: a list of finite real numbers (the count is checked against the functions by the trainer)."""
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
+        raise TypeError(
+            f"reward_weights={weights!r} must be a list with one number per reward function, e.g. [1.0, 0.5]."
+        )
+    for k, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(
+                f"reward_weights[{k}]={weight!r} is {_a(type(weight).__name__)}; every weight must be a number, "
+                "e.g. reward_weights=[1.0, 0.5]."
+            )
+    if not all(math.isfinite(float(weight)) for weight in weights):
+        raise ValueError(
+            f"reward_weights={list(weights)} has a non-finite entry: every weight must be a finite number "
+            "(0 turns a reward function off)."
+        )
+
+
+def _generation_fields() -> set[str]:
+    return {name for name in vars(GenerationConfig()) if not name.startswith("_")}
+
+
+def check_generation_kwargs(kwargs: Mapping[str, Any], args) -> None:
+    """`generation_kwargs`: real `GenerationConfig` fields only, and none that breaks GRPO's assumptions."""
+    fields = _generation_fields()
+    for key in kwargs:
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"Did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"generation_kwargs has {key!r}, which is not a GenerationConfig field, so it would be ignored. "
+                f"{hint}Valid names: transformers.GenerationConfig's attributes."
+            )
+    owned = {"temperature": args.temperature, "max_new_tokens": args.max_completion_length}
+    for key, field in (("temperature", "temperature"), ("max_new_tokens", "max_completion_length")):
+        if key in kwargs and kwargs[key] != owned[key]:
+            raise ValueError(
+                f"generation_kwargs[{key!r}]={kwargs[key]!r} differs from {field}={owned[key]!r}: the log-probs and "
+                f"the loss use {field}, so set it in the config ({field}={kwargs[key]!r}) and drop the key."
+            )
+    if kwargs.get("do_sample", True) is False:
+        raise ValueError(
+            "generation_kwargs['do_sample']=False decodes greedily, so the G completions of a prompt are identical "
+            "and GRPO learns nothing from them. Remove it (sampling is on), and set temperature / top_p instead."
+        )
+    if kwargs.get("num_return_sequences", 1) != 1:
+        raise ValueError(
+            f"generation_kwargs['num_return_sequences']={kwargs['num_return_sequences']!r}: the trainer samples one "
+            "completion per row and repeats each prompt num_generations times. Set num_generations instead."
+        )
+
+
+def looks_like_local_path(name: str) -> bool:
+    """True for a string that can only be a local path, never a Hub id ("name" or "org/name")."""
+    return (
+        name.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+        or name in (".", "..")
+        or name.count("/") > 1
+        or "\\" in name
+        or name.endswith("/")
+        or os.path.isabs(name)
+    )
+
+
+def check_local_path(name_or_path: str, what: str = "model") -> str:
+    """`name_or_path` with `~` expanded; FileNotFoundError if it looks like a local path that does not exist."""
+    path = os.path.expanduser(name_or_path)
+    if looks_like_local_path(name_or_path) and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"The {what} path {name_or_path!r} does not exist (looked for {os.path.abspath(path)!r}). Check the "
+            "path, or pass a Hub id of the form 'org/name'."
+        )
+    if os.path.isfile(path):
+        raise NotADirectoryError(
+            f"The {what} path {name_or_path!r} is a file; pass the directory that holds its config.json (a "
+            "save_pretrained directory)."
+        )
+    return path
+
+
+def check_processing_class(processing_class: Any) -> None:
+    """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        raise TypeError(
+            f"processing_class={processing_class!r} is a path; pass the tokenizer itself: "
+            "processing_class=AutoTokenizer.from_pretrained(path), or None to load the model's own."
+        )
+    if not (callable(processing_class) and hasattr(processing_class, "batch_decode")):
+        raise TypeError(
+            f"processing_class is {_a(type(processing_class).__name__)}, not a tokenizer: pass a "
+            "transformers tokenizer (AutoTokenizer.from_pretrained(...)), or None to load the model's own."
+        )
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def model_max_positions(model) -> int | None:
+    """The longest sequence the policy's positions cover (`max_position_embeddings` / `n_positions`), or None."""
+    config = getattr(_base_model(model), "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_policy_model(model, tokenizer, peft_config=None) -> None:
+    """The policy is a decoder-only causal LM whose vocabulary covers the tokenizer, and something in it trains."""
+    base = _base_model(model)
+    config = base.config
+    if getattr(config, "is_encoder_decoder", False) or not base.can_generate() or base.get_output_embeddings() is None:
+        raise TypeError(
+            f"The policy model is {_a(type(base).__name__)}, not a decoder-only causal LM: GRPO samples completions "
+            "from it token by token. Load it with AutoModelForCausalLM.from_pretrained(...); a sequence-"
+            "classification model belongs in reward_funcs, as a reward model."
+        )
+    embeddings = base.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < len(tokenizer):
+        raise ValueError(
+            f"The policy's vocabulary has {vocab} token embeddings but the tokenizer has {len(tokenizer)} tokens, so "
+            "some token ids have no embedding. Pass the tokenizer the model was trained with, or grow the model: "
+            "model.resize_token_embeddings(len(tokenizer))."
+        )
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "The tokenizer has neither a pad token nor an EOS token to pad with. Set them to tokens the model "
+            "knows, e.g. tokenizer.eos_token = '<|im_end|>' (the end of a completion; it also pads)."
+        )
+    if not any(param.requires_grad for param in model.parameters()):
+        hint = "" if peft_config is None else " (peft_config gave no trainable adapter either)"
+        raise ValueError(
+            f"Every parameter of the policy is frozen (requires_grad=False){hint}: nothing would train. Unfreeze "
+            "them (model.requires_grad_(True)), or pass peft_config=peft.LoraConfig(...) to train adapters."
+        )
+
+
+# ---- datasets --------------------------------------------------------------------------------------------------
+def check_datasets(train_dataset, eval_dataset, tokenizer, args, model_max_positions: int | None) -> dict:
+    """Check the train dataset and every eval dataset (`check_dataset`). Returns {dataset name: its columns other
+    than 'prompt' that reach the reward functions} (none with `remove_unused_columns=True`)."""
+    if train_dataset is None:
+        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+    named = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict) and isinstance(eval_dataset.get("prompt"), list):
+        raise TypeError(
+            "eval_dataset is a dict of columns; wrap it: eval_dataset=datasets.Dataset.from_dict(columns). (A dict of "
+            "datasets, one per split, is fine.)"
+        )
+    if isinstance(eval_dataset, dict):  # DatasetDict / a plain dict: Trainer evaluates each split
+        named += [(f"eval_dataset[{key!r}]", split) for key, split in eval_dataset.items()]
+    elif eval_dataset is not None:
+        named.append(("eval_dataset", eval_dataset))
+    return {
+        name: check_dataset(dataset, name, tokenizer, args, model_max_positions, is_train=name == "train_dataset")
+        for name, dataset in named
+    }
+
+
+def check_dataset(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train=True) -> list[str]:
+    """One dataset: its type, columns and size, then one pass over its prompts. Returns its reward columns."""
+    _require_map_style(dataset, name)
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it needs at least one prompt.")
+    columns = _columns(dataset, name)
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
+            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    reward_columns = [] if args.remove_unused_columns else [c for c in columns if c != "prompt"]
+    clashing = [c for c in reward_columns if c in REWARD_ARGUMENTS]
+    if clashing:
+        column = clashing[0]
+        raise ValueError(
+            f"{name} has a column named {column!r}, like a reward-function argument ({', '.join(REWARD_ARGUMENTS)}). "
+            f"Rename it, e.g. dataset.rename_column({column!r}, 'my_{column}')."
+        )
+    prompts_per_batch = args.generation_batch_size // args.num_generations
+    if is_train and len(dataset) < prompts_per_batch:
+        raise ValueError(
+            f"{name} has {len(dataset)} prompts but one generation batch takes {prompts_per_batch} "
+            f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations}). Add "
+            "prompts, or lower per_device_train_batch_size / steps_per_generation."
+        )
+    indices, prompts = _scan_prompts(dataset, name, seed=args.seed)
+    if is_conversational(prompts[0]) and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{name} holds chat prompts (lists of messages) but the tokenizer has no chat_template to render them. "
+            "Set tokenizer.chat_template, or make the prompts plain strings."
+        )
+    _check_prompt_lengths(indices, prompts, name, tokenizer, args, model_max_positions)
+    return reward_columns
+
+
+def _require_map_style(dataset, name: str) -> None:
+    """The one place that says which dataset types the trainer takes: map-style datasets (`datasets.Dataset`, or any
+    object with `__len__` and `__getitem__` returning dicts). Streams (`IterableDataset`) are not supported yet."""
+    kind = type(dataset).__name__
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        raise TypeError(f"{name} is {_a(kind)} with splits {list(dataset)}; pass one split, e.g. dataset['train'].")
+    if isinstance(dataset, (list, tuple)):
+        fix = "datasets.Dataset.from_list(rows) (rows: dicts with a 'prompt' key)"
+        if dataset and not isinstance(dataset[0], Mapping):
+            fix = "datasets.Dataset.from_dict({'prompt': prompts})"
+        raise TypeError(f"{name} is a plain Python {kind}; wrap it: {name.split('[')[0]}={fix}.")
+    if isinstance(dataset, Mapping):
+        raise TypeError(f"{name} is {_a(kind)}; for a dict of columns use datasets.Dataset.from_dict(columns).")
+    if kind == "DataFrame":
+        raise TypeError(f"{name} is a DataFrame; convert it: datasets.Dataset.from_pandas(df, preserve_index=False).")
+    if isinstance(dataset, datasets.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"{name} is {_a(kind)}, a stream without a length; grpo_hf needs a map-style dataset (datasets.Dataset) "
+            "to keep each prompt's group together and to count steps. IterableDataset is not supported yet: load "
+            "without streaming=True, or materialise it with datasets.Dataset.from_list(list(stream))."
+        )
+    if not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"{name} is {_a(kind)} without __getitem__; pass a datasets.Dataset.")
+
+
+def _row(dataset, index: int, name: str) -> Mapping:
+    row = dataset[index]
+    if not isinstance(row, Mapping):
+        raise TypeError(
+            f"{name} row {index} is {_a(type(row).__name__)}; each row must be a dict with a 'prompt' key (a "
+            "datasets.Dataset built with Dataset.from_list / from_dict is)."
+        )
+    return row
+
+
+def _columns(dataset, name: str) -> list[str]:
+    columns = getattr(dataset, "column_names", None)
+    return list(columns) if columns is not None else list(_row(dataset, 0, name))
+
+
+def _read_prompts(dataset, indices: Sequence[int], name: str) -> list:
+    """The prompts of rows `indices`: column chunks of a `datasets.Dataset` (fast), else row by row."""
+    if not isinstance(dataset, datasets.Dataset):
+        return [_row(dataset, i, name)["prompt"] for i in indices]
+    dataset = dataset.with_format(None)  # plain Python values whatever format the user set
+    prompts: list = []
+    for start in range(0, len(indices), _CHUNK):
+        chunk = indices[start : start + _CHUNK]
+        key = slice(chunk[0], chunk[-1] + 1) if isinstance(chunk, range) else list(chunk)
+        prompts.extend(dataset[key]["prompt"])
+    return prompts
+
+
+def _scan_prompts(dataset, name: str, seed: int) -> tuple[Sequence[int], list]:
+    """Check every prompt (a random sample of `MAX_ROWS_SCANNED` for larger datasets): type and content, and chat and
+    plain prompts not mixed. Returns the row indices checked and their prompts."""
+    n = len(dataset)
+    indices: Sequence[int] = range(n)
+    if n > MAX_ROWS_SCANNED:
+        indices = sorted(random.Random(seed).sample(range(n), MAX_ROWS_SCANNED))
+        logger.info(
+            "Checking the prompts of %d random rows of %s's %d (grpo_hf.validation.MAX_ROWS_SCANNED).",
+            MAX_ROWS_SCANNED, name, n,
+        )  # fmt: skip
+    prompts = _read_prompts(dataset, indices, name)
+    first_of_kind: dict[bool, int] = {}
+    for index, prompt in zip(indices, prompts, strict=True):
+        problem = _prompt_problem(prompt)
+        if problem is not None:
+            raise (TypeError if problem[0] == "type" else ValueError)(
+                f"{name} row {index}: 'prompt' {problem[1]}. A prompt is a non-empty string, or a non-empty list of "
+                f"chat messages like {_CHAT_EXAMPLE} (roles: {', '.join(MESSAGE_ROLES)}). Fix or drop the row, e.g. "
+                "with dataset.filter(...)."
+            )
+        first_of_kind.setdefault(not isinstance(prompt, str), index)
+        if len(first_of_kind) == 2:
+            raise ValueError(
+                f"{name} mixes chat prompts (row {first_of_kind[True]} is a list of messages) and plain prompts (row "
+                f"{first_of_kind[False]} is a string). Use one kind: e.g. wrap each string s as "
+                "[{'role': 'user', 'content': s}]."
+            )
+    return indices, prompts
+
+
+def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
+    """What is wrong with one prompt, as ("type" | "value", description); None when it is fine."""
+    if isinstance(prompt, str):
+        return ("value", "is empty (or only whitespace)") if not prompt.strip() else None
+    if prompt is None:
+        return "value", "is missing (None)"
+    if isinstance(prompt, Mapping):
+        return "type", "is a single message (a dict), not a list of messages: wrap it in a list"
+    if not isinstance(prompt, list):
+        return "type", f"is {_a(type(prompt).__name__)}"
+    if len(prompt) == 0:
+        return "value", "is an empty list of messages"
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return "type", f"is a list whose item {k} is {_a(type(message).__name__)}, not a message dict"
+        role, content = message.get("role"), message.get("content")
+        if role not in MESSAGE_ROLES:
+            return "value", f"message {k} has role {role!r}"
+        if not isinstance(content, str):
+            return "type", f"message {k} ({role}) has content of type {type(content).__name__}, not a string"
+    if not any(message["content"].strip() for message in prompt):
+        return "value", "has no message with any content"
+    return None
+
+
+def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_positions: int | None) -> None:
+    """Prompt + completion must fit the model's positions. Prompts are left-truncated to `max_prompt_length`, so only
+    when that is None or too large are the prompts tokenized: the `MAX_ROWS_TOKENIZED` longest (by characters)."""
+    if max_positions is None:
+        return
+    room = max_positions - args.max_completion_length  # the longest prompt the model can take
+    if room < 1:
+        raise ValueError(
+            f"max_completion_length={args.max_completion_length} leaves no room for a prompt within the model's "
+            f"{max_positions} positions (max_position_embeddings). Lower max_completion_length."
+        )
+    limit = args.max_prompt_length
+    if limit is not None and limit <= room:
+        return
+    order = sorted(range(len(prompts)), key=lambda k: -_num_chars(prompts[k]))
+    if len(order) > MAX_ROWS_TOKENIZED:
+        logger.info(
+            "Checking the token length of the %d longest prompts (by characters) of the %d checked in %s "
+            "(grpo_hf.validation.MAX_ROWS_TOKENIZED).", MAX_ROWS_TOKENIZED, len(order), name,
+        )  # fmt: skip
+        order = order[:MAX_ROWS_TOKENIZED]
+    kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
+    texts = []
+    for k in order:
+        try:
+            texts.append(prompt_text(tokenizer, prompts[k], kwargs))
+        except Exception as error:
+            raise ValueError(f"{name} row {indices[k]}: the chat template fails on this prompt: {error}") from error
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    for k, length in zip(order, lengths, strict=True):
+        kept = length if limit is None else min(length, limit)
+        if kept > room:
+            setting = "max_prompt_length=None" if limit is None else f"max_prompt_length={limit}"
+            raise ValueError(
+                f"{name} row {indices[k]}: the prompt has {length} tokens; with {setting} and max_completion_length="
+                f"{args.max_completion_length}, prompt + completion exceed the model's {max_positions} positions "
+                f"(max_position_embeddings). Set max_prompt_length <= {room} (longer prompts are left-truncated), "
+                "lower max_completion_length, or drop the long rows."
+            )
+
+
+def _num_chars(prompt) -> int:
+    return len(prompt) if isinstance(prompt, str) else sum(len(message["content"]) for message in prompt)
+
+
+# ---- reward functions ------------------------------------------------------------------------------------------
+def check_reward_funcs(funcs: Sequence, names: Sequence[str], columns_of: Mapping[str, list[str]]) -> None:
+    """Each reward function can be called with the keyword arguments it will get: `prompts`, `completions`,
+    `completion_ids`, `trainer_state` and one per dataset column (`columns_of`: dataset name -> its columns)."""
+    for func, func_name in zip(funcs, names, strict=True):
+        try:
+            parameters = list(inspect.signature(func).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+            continue
+        for p in parameters:
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+                raise TypeError(
+                    f"Reward function {func_name!r} takes {p.name!r} positional-only, but reward functions are "
+                    "called with keyword arguments only. Remove the '/' from its parameters."
+                )
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        required = [p.name for p in parameters if p.name in named and p.default is p.empty]
+        for dataset_name, columns in columns_of.items():
+            given = [*REWARD_ARGUMENTS, *columns]
+            unexpected = [] if accepts_any else [key for key in given if key not in named]
+            if unexpected:
+                raise TypeError(
+                    f"Reward function {func_name!r} would be called with keyword arguments it does not accept: "
+                    f"{unexpected} (from the reward signature and the columns of {dataset_name}). Add **kwargs to "
+                    "its parameters: def f(prompts, completions, **kwargs)."
+                )
+            missing = [name for name in required if name not in given]
+            if missing:
+                raise TypeError(
+                    f"Reward function {func_name!r} requires the argument {missing[0]!r}, which it will not get: it "
+                    f"is not one of {list(REWARD_ARGUMENTS)} nor a column of {dataset_name} that reaches them "
+                    f"({columns}; remove_unused_columns=True passes none). Add the column, or give {missing[0]!r} a "
+                    "default."
+                )
