@@ -24,6 +24,7 @@ ImportanceSamplingLevel = Literal["token", "sequence", "sequence_sum"]
 RewardErrorPolicy = Literal["raise", "skip"]
 LostUpdateAction = Literal["warn", "raise"]
 NonFiniteAction = Literal["raise", "skip_step"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 
 @dataclass
@@ -82,6 +83,33 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={"help": "Set every dropout probability to 0 in the policy (and reference) model."},
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow models and tokenizers that ship their own Python code: passed to `from_pretrained` of the "
+            "policy, the reference model, their tokenizer, and reward models and their tokenizers loaded from a path "
+            "(`model_init_kwargs['trust_remote_code']`, when set, wins for the policy and reference)."
+        },
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-Experts models (a config with `output_router_logits`): the training loss adds this "
+            "coefficient x the model's load-balancing loss (its `aux_loss`, over the prompt + completion tokens of "
+            "the micro-batch), logged as `aux_loss`. None: the model config's `router_aux_loss_coef` (0 if none); "
+            "0.0: off. A non-zero value with a model that is not MoE is an error. While on, log-probs take the padded "
+            "path (the shared-prefix forward would count each prompt's routing once instead of G times)."
+        },
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the LM head's weights in float32 and compute the logits in float32, outside autocast, for "
+            "the policy and the reference model (ScaleRL): log-probs and sampling see fp32 logits in bf16/fp16 runs. "
+            "With tied embeddings the shared matrix becomes fp32 and the embedding output is cast back to the "
+            "model's dtype. Not with a PEFT adapter on the LM head."
+        },
+    )
 
     # ---- data and generation ----------------------------------------------------------------------
     max_prompt_length: int | None = field(
@@ -95,6 +123,14 @@ class GRPOConfig(TrainingArguments):
         default=None, metadata={"help": "Group size during evaluation. `None` uses `num_generations`."}
     )
     max_completion_length: int = field(default=256, metadata={"help": "Maximum number of generated tokens."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad prompt rows (on the left) and completion rows (on the right) of each rollout to a multiple "
+            "of this many tokens, so shapes repeat (compilers that specialise on shapes). Padding is masked: the loss "
+            "is unchanged. 'auto': 128 on Neuron (AWS Trainium), none elsewhere. None: no padding."
+        },
+    )
     shuffle_dataset: bool = field(
         default=True, metadata={"help": "Shuffle prompts (never the copies inside a group) each epoch, under `seed`."}
     )
@@ -236,6 +272,32 @@ class GRPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function. `None`: all 1.0."}
     )
+    multi_objective_aggregation: MultiObjectiveAggregation = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "How several reward functions make one advantage. 'sum_then_normalize': the weighted sum of the "
+            "rewards, then the group normalisation of `scale_rewards`. 'normalize_then_sum' (GDPO): each function's "
+            "rewards normalised within the group (mean, std + 1e-4), then the weighted sum, then that sum normalised "
+            "over the whole generation batch (mean, std + 1e-4); `scale_rewards` does not apply (as in TRL). "
+            "Formula: core.decoupled_advantages."
+        },
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO: every `ref_model_sync_steps` optimizer steps, the reference model becomes "
+            "ref_model_mixup_alpha x policy + (1 - ref_model_mixup_alpha) x reference, parameter by parameter. Needs "
+            "beta != 0 and a separate reference model (not LoRA, whose reference is the base model)."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={"help": "TR-DPO's alpha in [0, 1]: the policy's share in the reference update (sync_ref_model)."},
+    )
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={"help": "TR-DPO's tau: optimizer steps between reference updates (sync_ref_model); >= 1."},
+    )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={"help": "Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."},
@@ -352,6 +414,7 @@ class GRPOConfig(TrainingArguments):
         _check_choice("reward_error_policy", self.reward_error_policy, RewardErrorPolicy)
         _check_choice("on_lost_updates", self.on_lost_updates, LostUpdateAction)
         _check_choice("on_nonfinite", self.on_nonfinite, NonFiniteAction)
+        self._check_trl_options()
         if self.lost_update_check_steps < 0:
             raise ValueError(f"lost_update_check_steps={self.lost_update_check_steps} must be >= 0 (0: never).")
         if not 0 <= self.lost_update_threshold <= 1:
@@ -457,6 +520,36 @@ class GRPOConfig(TrainingArguments):
                 "cannot hold whole groups. Change per_device_train_batch_size, gradient_accumulation_steps / "
                 "steps_per_generation, or num_generations."
             )
+
+    def _check_trl_options(self) -> None:
+        """Checks of multi_objective_aggregation, sync_ref_model and pad_to_multiple_of (the CLI gives it as text)."""
+        _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, MultiObjectiveAggregation)
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            logger.warning(
+                f"scale_rewards={self.scale_rewards!r} does not apply with multi_objective_aggregation="
+                "'normalize_then_sum': each reward is normalised by its group std and the sum by the batch std (TRL)."
+            )
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
+        if isinstance(self.ref_model_sync_steps, bool) or self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps!r} must be an int >= 1.")
+        if self.sync_ref_model and self.beta == 0.0:
+            raise ValueError(
+                "sync_ref_model=True with beta=0.0: no reference model is built or used, so there is nothing to "
+                "synchronize. Set beta > 0, or sync_ref_model=False."
+            )
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
+            text = self.pad_to_multiple_of.strip().lower()
+            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
+        if self.pad_to_multiple_of not in ("auto", None) and (
+            isinstance(self.pad_to_multiple_of, bool) or self.pad_to_multiple_of < 1
+        ):
+            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an int >= 1, 'auto' or None.")
+
+    def model_load_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` keyword arguments for the policy and reference model: `model_init_kwargs`, with
+        `trust_remote_code` from this config unless they set it (TRL)."""
+        return {"trust_remote_code": self.trust_remote_code, **as_dict(self.model_init_kwargs, "model_init_kwargs")}
 
     def loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `core.grpo_loss` this config sets (TRL's names): numbers, not the config."""

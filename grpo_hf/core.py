@@ -675,7 +675,7 @@ def check_loss_settings(
         (
             importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"),
             f"importance_sampling_level='sequence' with loss_type={loss_type!r}: this loss sums per-token terms, so "
-            "each sequence's ratio counts once per completion token, i.e. sequences are weighted by their length "
+            "each sequence's ratio counts once per token: it weights each sequence by its completion length, "
             "instead of GSPO's per-sequence objective. For GSPO set loss_type='grpo'.",
         ),
         (
@@ -1013,3 +1013,46 @@ def _token_mask(policy_mask: Tensor, per_sequence: bool, dtype: torch.dtype) -> 
             "has one policy term per sequence: use 'token' or 'sequence'"
         )
     return policy_mask.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-reward aggregation (GDPO) and the reference-model update (TR-DPO) of TRL 1.16
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def decoupled_advantages(
+    rewards: Tensor, num_generations: int, weights: Tensor | Sequence[float] | None = None
+) -> Tensor:
+    """GDPO's advantages (`multi_objective_aggregation="normalize_then_sum"`; arXiv:2601.05242, as TRL 1.16 computes
+    them): each reward function's rewards are normalised within each group first, the weighted sum is taken next,
+    and that sum is normalised over the whole batch last.
+
+    `rewards` is `[N, R]` for the whole generation batch (NaN = no reward); rows i*G .. i*G+G-1 form a group.
+      z_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + 1e-4)    over the group's non-NaN r_k; 0 when the group has fewer
+             than two of them or they are all equal; NaN where r_ik is NaN     (group_advantages of column k)
+      s_i  = sum_k w_k z_ik over the non-NaN z_ik; NaN when every r_ik is NaN    (combine_rewards)
+      A_i  = (s_i - mean(s)) / (std(s) + 1e-4)    over the batch's non-NaN s; 0 where s_i is NaN, and 0 when fewer
+             than two s_i or all equal                                        (group_advantages, one group)
+    std is the unbiased sample std. `scale_rewards` does not enter (TRL ignores it here too). TRL gives ~1e-13
+    instead of exactly 0 for an all-equal group (rounding of its mean), and NaN (then 0) for a single value.
+    Returns `[N]` in the rewards' dtype, at least float32.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, R] (one column per reward function), got shape {tuple(rewards.shape)}")
+    per_function = [group_advantages(rewards[:, k], num_generations, "group") for k in range(rewards.shape[1])]
+    normalised = torch.stack(per_function, dim=1).masked_fill(torch.isnan(rewards), float("nan"))  # [N, R]
+    summed = combine_rewards(normalised, weights)  # [N]
+    return group_advantages(summed, summed.numel(), "group")
+
+
+@torch.no_grad()
+def mix_parameters_(targets: Iterator[Tensor], sources: Iterator[Tensor], alpha: float) -> None:
+    """TR-DPO's reference update (arXiv:2404.09656), in place: target <- alpha * source + (1 - alpha) * target,
+    computed as `target.mul_(1 - alpha).add_(source, alpha=alpha)` (as TRL). Pairs the tensors in order."""
+    for target, source in zip(targets, sources, strict=True):
+        if target.shape != source.shape:
+            raise ValueError(
+                f"cannot mix a {tuple(source.shape)} parameter into a {tuple(target.shape)} one: the reference and "
+                "the policy must have the same architecture and unsharded parameters"
+            )
+        target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)

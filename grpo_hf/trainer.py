@@ -39,6 +39,7 @@ from grpo_hf.config import GRPOConfig, as_dict
 from grpo_hf.core import (
     LOSS_VARIANTS,
     EntropyControl,
+    _off_policy_mask,
     check_finite_rewards,
     combine_rewards,
     entropy_bonus,
@@ -493,15 +494,18 @@ class GRPOTrainer(Trainer):
         device = self.accelerator.device
         rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
         check_finite_rewards(rewards, self.reward_func_names)
+        no_reward = torch.isnan(rewards).all(dim=1)  # [B]
+        if bool(no_reward.any()):  # TRL's warning, about the first such completion
+            row = int(no_reward.nonzero()[0])
+            kw = {"prompt": prompts[row], "completion": completions[row], **{k: c[row] for k, c in columns.items()}}
+            logger.warning(
+                f"All reward functions returned None for the following kwargs: {kw}. Please ensure that at least "
+                "one reward function returns a valid reward (a completion without any reward gets advantage 0)."
+            )
         return rewards, texts, errors
 
     def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
         """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
-        if torch.isnan(total).all():
-            logger.warning(
-                "All reward functions returned None for every completion of this batch; its advantages are 0 and it "
-                "does not move the policy. Please ensure that at least one reward function returns a valid reward."
-            )
         for key, value in reward_metrics(all_rewards, total, self.reward_func_names, G).items():
             metrics[key].append(value)
         if self.args.reward_error_policy == "skip":
@@ -727,16 +731,32 @@ class GRPOTrainer(Trainer):
         return loss, metrics
 
     def _high_entropy_mask(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-        """`core.high_entropy_mask` [B, T] for `top_entropy_quantile` (None at 1.0: every token). Its threshold is
-        taken over the completion tokens of this micro-batch on every process, as TRL does."""
+        """The policy term's tokens [B, T] for `top_entropy_quantile` (`get_high_entropy_mask`); None at 1.0: all."""
         if self.args.top_entropy_quantile == 1.0:
             return None
-        entropy = entropy.detach()
+        return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: bool [B, T], the completion tokens whose entropy is at least the `threshold` quantile of the
+        completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile)."""
+        entropy = entropies.detach()
         pool = entropy[mask.bool()]  # [n] this process's completion tokens
         if self.accelerator.num_processes > 1:
-            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, pad_index=-1.0))
+            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, dim=0, pad_index=-1.0))
             pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
-        return high_entropy_mask(entropy, mask, self.args.top_entropy_quantile, pool)
+        return high_entropy_mask(entropy, mask, 1.0 - threshold, pool)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's method: DeepSeek-V3.2's off-policy sequence mask [B, 1] (`core`, `off_policy_mask_threshold`), 0 where
+        A < 0 and the mean log(pi_old / pi) over the completion exceeds the threshold. NaN log-probs count as 0."""
+        log_ratio = torch.nan_to_num(per_token_logps.detach() - sampling_per_token_logps)  # log(pi / pi_old)
+        return _off_policy_mask(log_ratio, advantages, mask, off_policy_threshold).to(mask.dtype)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute; `use_adaptive_entropy` moves it every step)."""
+        return self._entropy.entropy_coef
 
     def _track_entropy(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
         """Adaptive entropy control (`core.EntropyControl`): this micro-batch's entropy over its policy-term tokens

@@ -223,7 +223,7 @@ def check_datasets(train_dataset, eval_dataset, tokenizer, args, model_max_posit
     """Check the train dataset and every eval dataset (`check_dataset`). Returns {dataset name: its columns other
     than 'prompt' that reach the reward functions} (none with `remove_unused_columns=True`)."""
     if train_dataset is None:
-        raise ValueError("train_dataset is required: a datasets.Dataset with a 'prompt' column.")
+        raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
     named = [("train_dataset", train_dataset)]
     if isinstance(eval_dataset, dict) and isinstance(eval_dataset.get("prompt"), list):
         raise TypeError(

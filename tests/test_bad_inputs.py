@@ -307,7 +307,7 @@ is_root = hasattr(os, "geteuid") and os.geteuid() == 0
 
 # ---- the catalogue ----------------------------------------------------------------------------------------------
 DATASETS = [
-    Case("train_dataset None", train(lambda s: None), raises(ValueError, r"train_dataset is required")),
+    Case("train_dataset None", train(lambda s: None), raises(ValueError, r"`train_dataset` is required")),
     Case(
         "list of dicts",
         train(lambda s: [{"prompt": "a"}, {"prompt": "b"}]),

@@ -603,7 +603,7 @@ def test_sequence_level_with_token_sums_warns_like_trl(loss_type):
     """TRL warns when a sequence-level ratio meets a loss that sums per-token terms (bnpo, dr_grpo, dapo, cispo)."""
     kwargs = dict(loss_type=loss_type, max_completion_length=9, epsilon_high=5.0)
     warnings = check_loss_settings(importance_sampling_level="sequence", **kwargs)
-    gspo = [w for w in warnings if "weighted by their length" in w]
+    gspo = [w for w in warnings if "weights each sequence by its completion length" in w]
     assert len(gspo) == (loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"))
     at_token_level = check_loss_settings(**kwargs)
     assert len(at_token_level) == (loss_type == "luspo")  # luspo's own warning: it wants "sequence"

@@ -1,5 +1,7 @@
 """Behaviours a TRL user relies on when porting a script (issue 13): inputs TRL's GRPOTrainer accepts are accepted."""
 
+import re
+
 import pytest
 import torch
 from conftest import build_tiny_model
@@ -72,7 +74,7 @@ def test_a_dict_of_eval_datasets_is_checked_split_by_split_and_evaluated(tmp_pat
 
 
 def test_a_missing_train_dataset_fails_at_construction(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="train_dataset is required"):
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
         GRPOTrainer(build_tiny_model(tokenizer), _reward, _args(tmp_path), processing_class=tokenizer)
 
 
@@ -90,3 +92,41 @@ def test_evaluate_reports_the_grpo_loss_of_the_eval_completions(tmp_path, tokeni
     trainer.train()  # the policy moves away from its reference: beta x KL > 0 enters the loss
     after = trainer.evaluate()
     assert after["eval_loss"] > 1e-4
+
+
+def test_trl_mask_methods_follow_their_formulas(tmp_path, tokenizer):
+    """`get_high_entropy_mask` (threshold = the quantile, as TRL passes 1 - top_entropy_quantile) and the static
+    `get_off_policy_mask` compute what TRL's methods of the same names do, written out here as loops."""
+    trainer = GRPOTrainer(build_tiny_model(tokenizer), _reward, _args(tmp_path), DATASET, processing_class=tokenizer)
+    entropies = torch.tensor([[0.1, 0.9, 0.4, 0.7], [0.3, 0.8, 0.2, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    for threshold in (0.0, 0.5, 0.8, 1.0):
+        tau = torch.quantile(entropies[mask.bool()], threshold)
+        rows = zip(entropies.tolist(), mask.tolist(), strict=True)
+        expected = [[bool(m) and e >= tau for e, m in zip(er, mr, strict=True)] for er, mr in rows]
+        assert trainer.get_high_entropy_mask(entropies, mask, threshold).tolist() == expected
+
+    advantages = torch.tensor([[1.0], [-1.0], [-1.0], [-1.0]])
+    sampling = torch.zeros(4, 3)
+    logps = torch.tensor([[-2.0] * 3, [-0.5] * 3, [-2.0] * 3, [-2.0, float("nan"), -2.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    expected = []
+    for a, lp, s, m in zip(advantages, logps, sampling, mask, strict=True):
+        kl = [float(sv - lv) if lv == lv else 0.0 for sv, lv in zip(s, lp, strict=True)]
+        mean_kl = sum(k * float(w) for k, w in zip(kl, m, strict=True)) / max(float(m.sum()), 1.0)
+        expected.append([1.0 if (a.item() >= 0 or mean_kl <= 1.0) else 0.0])
+    assert GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask, 1.0).tolist() == expected
+
+
+def test_a_completion_without_any_reward_is_reported_with_trl_warning(tmp_path, tokenizer, caplog):
+    def none_for_the_first(completions, **kwargs):
+        return [None] + [1.0] * (len(completions) - 1)
+
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer), none_for_the_first, _args(tmp_path), DATASET, processing_class=tokenizer
+    )
+    with caplog.at_level("WARNING", logger="grpo_hf.trainer"):
+        trainer.train()
+    expected = r"All reward functions returned None for the following kwargs: \{'prompt': '[abcd]', 'completion': "
+    assert re.search(expected, caplog.text)
+    assert trainer.entropy_coef == 0.0  # TRL's attribute, here at its default
