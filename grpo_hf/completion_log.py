@@ -13,23 +13,39 @@ from grpo_hf.rollout.prompts import is_conversational
 
 
 def completion_rows(
-    step: int, prompts: list, texts: list[str], names: list[str], rewards: torch.Tensor, advantages: torch.Tensor
+    step: int,
+    prompts: list,
+    texts: list[str],
+    names: list[str],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    extra: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """A row per completion: the prompt (its last message), the completion, its rewards [B, R], its advantage [B]."""
+    """A row per completion: the prompt (its last message), the completion, its rewards [B, R], the columns reward
+    functions logged for it with `log_extra` (`extra`, a dict per row; TRL's extra columns, top-level keys: a name
+    that is one of the fixed keys becomes `extra/<name>`), and its advantage [B]."""
 
     def as_text(prompt):
         return prompt[-1]["content"] if is_conversational(prompt) else prompt
 
+    def columns(logged: dict[str, Any]) -> dict[str, Any]:
+        return {(f"extra/{k}" if k in _FIXED_KEYS else k): v for k, v in logged.items()}
+
+    extra = extra if extra is not None else [{}] * len(texts)
     return [
         {
             "step": step,
             "prompt": as_text(p),
             "completion": c,
             "rewards": dict(zip(names, r, strict=True)),
+            **columns(x),
             "advantage": a,
         }
-        for p, c, r, a in zip(prompts, texts, rewards.tolist(), advantages.tolist(), strict=True)
+        for p, c, r, x, a in zip(prompts, texts, rewards.tolist(), extra, advantages.tolist(), strict=True)
     ]
+
+
+_FIXED_KEYS = ("step", "prompt", "completion", "rewards", "advantage")
 
 
 def write_completions(rows: list[dict[str, Any]], output_dir: str, step: int, num_to_print: int | None) -> None:
@@ -37,14 +53,20 @@ def write_completions(rows: list[dict[str, Any]], output_dir: str, step: int, nu
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "completions.jsonl"), "a", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
     shown = rows[:num_to_print] if num_to_print else rows
     lines = [f"completions at step {step}:"]
     for row in shown:
         rewards = " ".join(f"{k}={v:.3g}" for k, v in row["rewards"].items())
+        extra = "".join(f"  {k}: {_short(v)}" for k, v in row.items() if k not in _FIXED_KEYS)
         lines.append(
             f"  prompt: {row['prompt'][-80:]!r}\n  completion: {row['completion'][:200]!r}\n"
-            f"  rewards: {rewards}  advantage: {row['advantage']:+.3f}"
+            f"  rewards: {rewards}  advantage: {row['advantage']:+.3f}{extra}"
         )
     # A display the user asked for (log_completions), written beside the progress bar.
     tqdm.write("\n".join(lines))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

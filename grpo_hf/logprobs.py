@@ -138,12 +138,15 @@ def padded_logps(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    router_aux: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
     Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included. The LM head runs only on the
     T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`, with a
     gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
+    `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
+    load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
@@ -151,13 +154,17 @@ def padded_logps(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
     T = completion_ids.size(1)
-    logits = model(
+    outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         logits_to_keep=T + 1,
         use_cache=False,
-    ).logits[:, :-1, :]  # [B, T, V]
+        **({"output_router_logits": True} if router_aux is not None else {}),
+    )
+    if router_aux is not None:
+        router_aux.append(outputs.aux_loss)
+    logits = outputs.logits[:, :-1, :]  # [B, T, V]
     return _logps_and_entropy(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
 
 

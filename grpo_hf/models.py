@@ -254,7 +254,7 @@ def build_models(
                 "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer as "
                 "processing_class."
             )
-        processing_class = load_tokenizer(source)
+        processing_class = load_tokenizer(source, trust_remote_code=kwargs.get("trust_remote_code", False))
     check_processing_class(processing_class)
     processing_class.padding_side = "left"
     if processing_class.pad_token is None:
@@ -276,3 +276,55 @@ def build_models(
         if gradient_checkpointing:
             model.enable_input_require_grads()
     return model, ref_model, processing_class
+
+
+class FP32LMHead(torch.nn.Linear):
+    """An LM head (`nn.Linear`) with float32 weights whose logits are computed in float32, outside autocast:
+    `cast_lm_head_to_fp32` (ScaleRL, arXiv:2510.13786). The hidden states are upcast; the weights are fp32 already."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
+    """Make the LM head of `model` (a causal LM, or a PeftModel of one) an `FP32LMHead`, in place: its weights
+    become float32 (the same Parameter objects) and it computes the logits in float32 outside autocast. With tied
+    embeddings the shared matrix becomes float32 too, and the embedding's output is cast back to the dtype it had,
+    so the decoder layers run as before. Refused when a PEFT adapter wraps the LM head (TRL refuses it too)."""
+    base = model.get_base_model() if _is_peft_model(model) else model
+    head = base.get_output_embeddings()
+    if isinstance(head, FP32LMHead):
+        return
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs the LM head to be a torch.nn.Linear, but it is a {type(head).__name__} "
+            "(e.g. a PEFT adapter on `lm_head`: remove it from the adapter's target_modules), or set "
+            "cast_lm_head_to_fp32=False."
+        )
+    dtype = head.weight.dtype
+    embeddings = base.get_input_embeddings()
+    tied = embeddings is not None and embeddings.weight is head.weight
+    head.float()
+    head.__class__ = FP32LMHead
+    if tied and dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
+
+
+def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
+    """The weight of the MoE load-balancing loss in the training loss (`router_aux_loss_coef`, TRL's rule): for a
+    model whose config has `output_router_logits` (a Mixture-of-Experts model that can return its router logits),
+    `coef`, or the config's own `router_aux_loss_coef` (0 if none) when `coef` is None; 0 for other models, for
+    which a non-zero `coef` is an error."""
+    config = (model.get_base_model() if _is_peft_model(model) else model).config.get_text_config()
+    is_moe = hasattr(config, "output_router_logits")
+    if coef is not None and coef != 0.0 and not is_moe:
+        raise ValueError(
+            f"router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts model that returns "
+            "its router logits (its config has no `output_router_logits`), so there is no auxiliary loss to weight. "
+            "Leave router_aux_loss_coef=None (or 0.0)."
+        )
+    if not is_moe:
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)

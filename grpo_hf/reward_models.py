@@ -48,7 +48,8 @@ class RewardModel:
             `name_or_path`. A missing pad token is set to the EOS token, and `model.config.pad_token_id` to match.
         batch_size: texts per forward pass.
         max_length: keep at most this many tokens per text (the last ones); `None`: no limit.
-        model_init_kwargs: extra `from_pretrained` arguments when `model` is a path (e.g. `{"dtype": "bfloat16"}`).
+        model_init_kwargs: extra `from_pretrained` arguments when `model` is a path (e.g. `{"dtype": "bfloat16"}`);
+            its `trust_remote_code` also applies to the tokenizer loaded from a path.
 
     Scoring: for conversational samples (lists of chat messages) the prompt and completion messages are joined and
     rendered with the tokenizer's chat template when it has one; otherwise, and for plain strings, the text is
@@ -83,7 +84,10 @@ class RewardModel:
                     "RewardModel got a model built in memory and no processing_class: pass the reward model's "
                     "tokenizer (GRPOTrainer: reward_processing_classes)."
                 )
-            processing_class = AutoTokenizer.from_pretrained(check_local_path(source, "reward tokenizer"))
+            processing_class = AutoTokenizer.from_pretrained(
+                check_local_path(source, "reward tokenizer"),
+                trust_remote_code=(model_init_kwargs or {}).get("trust_remote_code", False),
+            )
         if processing_class.pad_token is None:
             if processing_class.eos_token is None:
                 raise ValueError("The reward tokenizer has neither a pad token nor an EOS token to pad with; set one.")
@@ -165,9 +169,10 @@ def load_reward_model(
     return RewardModel(path, processing_class, **kwargs)
 
 
-def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Callable]:
+def build_reward_funcs(reward_funcs, reward_processing_classes=None, trust_remote_code=False) -> list[Callable]:
     """`GRPOTrainer`'s `reward_funcs` as a list of callables: functions as they are, registry names and
-    "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s."""
+    "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s (loaded with
+    `trust_remote_code`, their tokenizers too)."""
     if not isinstance(reward_funcs, list | tuple):
         reward_funcs = [reward_funcs]
     if len(reward_funcs) == 0:
@@ -175,9 +180,9 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Cal
     if reward_processing_classes is not None and not isinstance(reward_processing_classes, list | tuple):
         reward_processing_classes = [reward_processing_classes]
     if reward_processing_classes is not None and len(reward_processing_classes) != len(reward_funcs):
-        raise ValueError(
-            f"reward_processing_classes has {len(reward_processing_classes)} entries for {len(reward_funcs)} "
-            "reward functions; give one per function (None where not a reward model)."
+        raise ValueError(  # TRL's message, word for word
+            f"The number of reward processing classes ({len(reward_processing_classes)}) must match the number of "
+            f"reward functions ({len(reward_funcs)})."
         )
     funcs = []
     for k, func in enumerate(reward_funcs):
@@ -189,7 +194,7 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None) -> list[Cal
         elif isinstance(func, str | PreTrainedModel):
             from grpo_hf.reward_models import RewardModel
 
-            funcs.append(RewardModel(func, tokenizer))
+            funcs.append(RewardModel(func, tokenizer, model_init_kwargs={"trust_remote_code": trust_remote_code}))
         elif callable(func):
             funcs.append(func)
         else:
@@ -205,3 +210,9 @@ def reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tenso
             "Give one weight per function."
         )
     return torch.tensor(weights or [1.0] * len(names), dtype=torch.float32)
+
+
+def reward_processing_classes_of(reward_funcs: list) -> list:
+    """TRL's `trainer.reward_processing_classes`: one entry per reward function, the tokenizer of each reward model
+    (`RewardModel.processing_class`), None for the other functions."""
+    return [func.processing_class if isinstance(func, RewardModel) else None for func in reward_funcs]

@@ -42,10 +42,12 @@ from grpo_hf.core import (
     _off_policy_mask,
     check_finite_rewards,
     combine_rewards,
+    decoupled_advantages,
     entropy_bonus,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    mix_parameters_,
     reward_metrics,
 )
 from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
@@ -55,11 +57,12 @@ from grpo_hf.logprobs import (
     logps_in_chunks,
     supports_shared_prefix,
 )
-from grpo_hf.models import build_models
+from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
 from grpo_hf.parallel import average_gradients, check_same_dataset, stop_together
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.reward_models import build_reward_funcs, reward_weights
+from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import compute_rewards, reward_func_name
+from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import (
     RepeatSampler,
     RolloutEngine,
@@ -69,6 +72,7 @@ from grpo_hf.rollout import (
     split_into_slices,
     tokenize_prompts,
 )
+from grpo_hf.rollout.custom import pad_to_multiple, rollout_from_func
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
 
 logger = logging.getLogger(__name__)
@@ -127,6 +131,24 @@ class _AfterOptimizerStep(TrainerCallback):
             self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
 
 
+class _SyncReference(TrainerCallback):
+    """TR-DPO (`sync_ref_model`): after every `ref_model_sync_steps`-th optimizer step, the reference model becomes
+    alpha x policy + (1 - alpha) x reference (`core.mix_parameters_`), parameter by parameter, as TRL does it."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        if trainer.ref_model is None:  # LoRA: the reference is the base model with the adapters off
+            raise NotImplementedError(
+                "sync_ref_model=True with a PEFT model: the reference is the policy with its adapters disabled, not "
+                "a separate model, so there is nothing to synchronize (TRL does not support it either). Use "
+                "sync_ref_model=False, or full fine-tuning."
+            )
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.trainer._sync_reference()
+
+
 class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
@@ -147,6 +169,9 @@ class GRPOTrainer(Trainer):
         peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
             model is then the same model with its adapters disabled, not a second copy.
         callbacks, optimizers: as for `transformers.Trainer`.
+        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict` with `prompt_ids`, `completion_ids` and
+            `logprobs` (one list per prompt row) and extra fields for the reward functions: it replaces the
+            rollout engine (`grpo_hf.rollout.custom`).
     """
 
     _tag_names = ["grpo", "grpo_hf"]
@@ -165,6 +190,7 @@ class GRPOTrainer(Trainer):
         peft_config=None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers=(None, None),
+        rollout_func=None,
     ):
         args = _config_or_default(args, model)
         args.log_defaults_differing_from_trl()
@@ -175,14 +201,14 @@ class GRPOTrainer(Trainer):
             peft_config,
             with_reference=args.beta != 0.0,
             disable_dropout=args.disable_dropout,
-            model_init_kwargs=as_dict(args.model_init_kwargs, "model_init_kwargs"),
+            model_init_kwargs=args.model_load_kwargs(),
             gradient_checkpointing=args.gradient_checkpointing,
         )
         validation.check_policy_model(model, processing_class, peft_config)
         max_positions = validation.model_max_positions(model)
         columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
 
-        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
+        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
@@ -207,11 +233,16 @@ class GRPOTrainer(Trainer):
         self.generation_config = self._build_generation_config(args, processing_class, self.eos_token_ids)
         self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
 
-        self._init_state(args)
+        self._init_state(args, rollout_func)
 
     # ---- construction helpers --------------------------------------------------------------------------------
-    def _init_state(self, args: GRPOConfig) -> None:
-        """The rollout buffer, counters and metrics a run carries from step to step."""
+    def _init_state(self, args: GRPOConfig, rollout_func=None) -> None:
+        """The rollout buffer, counters and metrics a run carries from step to step; `rollout_func`, the MoE
+        auxiliary-loss weight and the reference sync (TR-DPO)."""
+        self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
+        self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
+        if args.sync_ref_model:
+            self.add_callback(_SyncReference(self))
         # Old log-probs differ from the current policy's only if an optimizer step happens between
         # generation and the last use of the batch: i.e. unless all steps_per_generation x
         # num_iterations micro-steps of one rollout fall inside one accumulation window.
@@ -237,7 +268,11 @@ class GRPOTrainer(Trainer):
 
     def _place_models(self, ref_model):
         """Reward models to the device; the reference model prepared like the policy (DeepSpeed / FSDP / device
-        placement) and returned, or None."""
+        placement) and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
+        if self.args.cast_lm_head_to_fp32:
+            for model in (self.model, ref_model):
+                if model is not None:
+                    cast_lm_head_to_fp32(model)
         for func in self.reward_funcs:
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
                 func.model.to(self.accelerator.device)
@@ -252,6 +287,27 @@ class GRPOTrainer(Trainer):
 
             return prepare_fsdp(ref_model, self.accelerator)
         return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """TRL's attribute: one entry per reward function, the tokenizer of each reward model, None for the others."""
+        return reward_processing_classes_of(self.reward_funcs)
+
+    def _sync_reference(self) -> None:
+        """TR-DPO (`sync_ref_model`): reference <- alpha x policy + (1 - alpha) x reference, in place. Under
+        DeepSpeed ZeRO-3 the shards are gathered and process 0 mixes them (as TRL does)."""
+        policy = self.accelerator.unwrap_model(self.model)
+        reference = self.accelerator.unwrap_model(self.ref_model)
+        targets, sources = list(reference.parameters()), list(policy.parameters())
+        alpha = self.args.ref_model_mixup_alpha
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(targets + sources, modifier_rank=0):
+                if self.accelerator.is_main_process:
+                    mix_parameters_(targets, sources, alpha)
+        else:
+            mix_parameters_(targets, sources, alpha)
 
     def _build_generation_config(self, args: GRPOConfig, processing_class, eos_token_ids) -> GenerationConfig:
         """The sampling settings of the config, then `generation_kwargs` over them."""
@@ -346,11 +402,11 @@ class GRPOTrainer(Trainer):
         start = self.accelerator.process_index * B
         if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
             if kept is None:
-                advantages = group_advantages(total, G, args.scale_rewards)  # [N]
+                advantages = self._advantages(total, rollout["all_rewards"], G)  # [N]
             else:  # the group statistics (and a "batch" std) of the kept groups only
                 advantages = torch.zeros_like(total)
                 if bool(kept.any()):
-                    advantages[kept] = group_advantages(total[kept], G, args.scale_rewards)
+                    advantages[kept] = self._advantages(total[kept], rollout["all_rewards"][kept], G)
             batch["advantages"] = advantages[start : start + B]  # [B]
             if mode == "train" and self._nonfinite("advantages", advantages, rollout, G):
                 batch["nonfinite"] = True  # every optimizer step this rollout feeds is skipped
@@ -371,6 +427,7 @@ class GRPOTrainer(Trainer):
                 self.reward_func_names,
                 rollout["rewards"],
                 batch["advantages"],
+                rollout["extra"],
             )
             self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         return batch
@@ -379,26 +436,19 @@ class GRPOTrainer(Trainer):
         """Tokenize, generate and score this process's rows; record the round's metrics.
 
         Returns this process's prompt/completion tensors [B, ...], `is_truncated` [B], `rewards` [B, R], the
-        `prompts` and completion `texts`, and the combined rewards `total` [N] of the whole generation batch.
+        `prompts`, completion `texts` and `extra` (per row, the columns reward functions logged with `log_extra`),
+        and of the whole generation batch the rewards `all_rewards` [N, R] and their combination `total` [N].
         """
-        args, device = self.args, self.accelerator.device
+        device = self.accelerator.device
         prompts = [row["prompt"] for row in inputs]
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
+        sample, is_prompt_truncated = self._sample(prompts, columns)  # [B, ...]; may add columns (rollout_func)
+        completion_ids, is_truncated = sample["completion_ids"], sample["is_truncated"]  # [B, T], [B]
 
-        prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
-            self.processing_class, prompts, args.max_prompt_length, self.chat_template_kwargs
-        )
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-        with self._model_for_generation() as unwrapped:
-            completion_ids, completion_mask, is_truncated = self._rollout_engine(unwrapped).generate(
-                unwrapped, prompt_ids, prompt_mask
-            )  # [B, T], [B, T], [B]
-        self.num_generate_calls += 1
-
-        lengths = completion_mask.sum(dim=1)  # [B]
+        lengths = sample["completion_mask"].sum(dim=1)  # [B]
         failure = None
         try:
-            rewards, texts, errors = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
+            rewards, texts, errors, logs = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
             failure = error
         stop_together(failure, self.accelerator, "computing rewards")
@@ -408,23 +458,68 @@ class GRPOTrainer(Trainer):
 
         metrics = self._metrics[mode]
         self._record_rollout_metrics(metrics, all_rewards, total, errors, G)
+        self._record_logged_metrics(metrics, logs.metrics)
         float_lengths = self.accelerator.gather(lengths).float()  # [N]
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())
         metrics["completions/max_length"].append(float_lengths.max().item())
         metrics["completions/clipped_ratio"].append(self.accelerator.gather(is_truncated).float().mean().item())
         metrics["prompts/num_truncated"].append(float(self._sum_processes(int(is_prompt_truncated.sum()))))
+        extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
         return {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "is_truncated": is_truncated,
+            **sample,
             "rewards": rewards,
             "prompts": prompts,
             "texts": texts,
+            "extra": extra,
+            "all_rewards": all_rewards,
             "total": total,
         }
+
+    def _sample(self, prompts: list, columns: dict[str, list]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This process's rollout tensors, `prompt_ids`/`prompt_mask` [B, P], `completion_ids`/`completion_mask`
+        [B, T] and `is_truncated` [B], padded to `pad_to_multiple_of`; and which prompts were truncated [B]. From the
+        rollout engine, or from `rollout_func` (TRL's contract, `rollout.custom`): its extra fields join `columns`."""
+        args, device, pad = self.args, self.accelerator.device, self.processing_class.pad_token_id
+        if self.rollout_func is not None:
+            sample, extra = rollout_from_func(
+                self.rollout_func, prompts, self, pad_token_id=pad, eos_token_ids=self.eos_token_ids, device=device
+            )
+            columns.update(extra)
+            is_prompt_truncated = torch.zeros(len(prompts), dtype=torch.bool)
+        else:
+            prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
+                self.processing_class, prompts, args.max_prompt_length, self.chat_template_kwargs
+            )
+            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
+            with self._model_for_generation() as unwrapped:
+                completion_ids, completion_mask, is_truncated = self._rollout_engine(unwrapped).generate(
+                    unwrapped, prompt_ids, prompt_mask
+                )  # [B, T], [B, T], [B]
+            sample = {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                "completion_mask": completion_mask,
+                "is_truncated": is_truncated,
+            }
+        self.num_generate_calls += 1
+        return pad_to_multiple(sample, self._pad_multiple(), pad), is_prompt_truncated
+
+    def _pad_multiple(self) -> int | None:
+        """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""
+        value = self.args.pad_to_multiple_of
+        if value == "auto":
+            return 128 if self.accelerator.device.type == "neuron" else None
+        return value
+
+    def _advantages(self, total: torch.Tensor, all_rewards: torch.Tensor, G: int) -> torch.Tensor:
+        """Advantages [N] of a generation batch from its combined rewards `total` [N] ("sum_then_normalize":
+        `core.group_advantages` with `scale_rewards`) or from each function's rewards `all_rewards` [N, R]
+        ("normalize_then_sum", GDPO: `core.decoupled_advantages`), per `multi_objective_aggregation`."""
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return decoupled_advantages(all_rewards, G, self.reward_weights.to(all_rewards.device))
+        return group_advantages(total, G, self.args.scale_rewards)
 
     def _keep_groups_with_signal(self, first: dict[str, Any], G: int) -> tuple[dict[str, Any], torch.Tensor]:
         """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and
@@ -437,7 +532,7 @@ class GRPOTrainer(Trainer):
         pool = GroupPool(num_groups=first["total"].numel() // G, num_generations=G)
         rollout, rounds, fresh = first, 0, None
         while True:
-            local = {key: value for key, value in rollout.items() if key != "total"}  # total [N] is global already
+            local = {key: value for key, value in rollout.items() if key not in ("total", "all_rewards")}  # global
             pool.add({**gather_rows(local, self.accelerator, pad), "total": rollout["total"]})
             if pool.full or rounds == self.args.dynamic_sampling_max_rounds:
                 break
@@ -461,7 +556,7 @@ class GRPOTrainer(Trainer):
             )
         start = self.accelerator.process_index * B
         local = take_rows(rows, torch.arange(start, start + B))
-        return {**local, "total": rows["total"]}, kept.to(rows["total"].device)
+        return {**local, "total": rows["total"], "all_rewards": rows["rewards"]}, kept.to(rows["total"].device)
 
     def _fresh_inputs(self, fresh: FreshPrompts, seen: set[str], B: int, G: int) -> list[dict[str, Any]]:
         """This process's rows of a generation batch of fresh prompts, G copies of each."""
@@ -470,7 +565,8 @@ class GRPOTrainer(Trainer):
         return rows[start : start + B]
 
     def _score(self, prompts, columns, completion_ids, lengths):
-        """Rewards [B, R] (NaN = None) of each completion, its text, and the error counts of skipped rewards.
+        """Rewards [B, R] (NaN = None) of each completion, its text, the error counts of skipped rewards, and what the
+        reward functions logged through `log_extra` / `log_metric` (`rewards.calling.RewardLogs`).
 
         Reward functions see the text (and ids) of each completion up to and including its EOS; with
         conversational prompts the completion is one assistant message.
@@ -490,6 +586,7 @@ class GRPOTrainer(Trainer):
             trainer_state=self.state,
             timeout=args.reward_timeout,
             error_policy=args.reward_error_policy,
+            logs=(logs := RewardLogs(len(completions))),
         )
         device = self.accelerator.device
         rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
@@ -502,7 +599,22 @@ class GRPOTrainer(Trainer):
                 f"All reward functions returned None for the following kwargs: {kw}. Please ensure that at least "
                 "one reward function returns a valid reward (a completion without any reward gets advantage 0)."
             )
-        return rewards, texts, errors
+        return rewards, texts, errors, logs
+
+    def _record_logged_metrics(self, metrics, logged: dict[str, list[float]]) -> None:
+        """The values reward functions passed to `log_metric` this round: one mean per metric name over every value
+        of every process (TRL), recorded under that name; `log` then averages these means over the logging steps."""
+        names = sorted(logged)
+        if self.accelerator.num_processes > 1:  # every process takes part in the reduction of every name
+            names = sorted({name for part in gather_object([names]) for name in part})
+        if not names:
+            return
+        stats = [[sum(logged.get(name, [])), len(logged.get(name, []))] for name in names]
+        stats = torch.tensor(stats, dtype=torch.float64, device=self.accelerator.device)  # [M, 2]: sum, count
+        if self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats, "sum")
+        for name, (total, count) in zip(names, stats.tolist(), strict=True):
+            metrics[name].append(total / count)
 
     def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
         """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
@@ -558,7 +670,9 @@ class GRPOTrainer(Trainer):
         with torch.no_grad():
             batch["old_logps"] = self._logps_in_chunks(self.model, batch) if self._needs_old_logps else None
             batch["ref_logps"] = self._reference_logps(batch)
-        slices = split_into_slices(batch, self.args.per_device_train_batch_size)
+        slices = split_into_slices(batch, self.args.per_device_train_batch_size)  # trimmed: padded again below
+        pad = self.processing_class.pad_token_id
+        slices = [pad_to_multiple(part, self._pad_multiple(), pad) for part in slices]  # pad_to_multiple_of
         # dapo normalises by the completion tokens of the whole optimizer step (all processes and
         # accumulation slices). Count them per slice over all processes.
         tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()  # [S]
@@ -591,6 +705,11 @@ class GRPOTrainer(Trainer):
         layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
         if not self.args.share_prompt_prefix:
             return "share_prompt_prefix=False"
+        if self.router_aux_loss_coef != 0.0:
+            return (
+                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss needs the router "
+                "logits of every row's prompt, which the shared-prefix forward computes once per group"
+            )
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return "FSDP/DeepSpeed shard the weights, which only the wrapper's own forward gathers"
         module = self.accelerator.unwrap_model(model)
@@ -634,9 +753,10 @@ class GRPOTrainer(Trainer):
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
+                router_aux = self._router_aux(kwargs)  # MoE: the padded forward's load-balancing loss goes here
                 logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
                 policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])  # [B, T] or None: all
-                loss, loss_metrics = self._loss(logps, batch, entropy, policy_mask)
+                loss, loss_metrics = self._loss(logps, batch, entropy, policy_mask, router_aux=router_aux)
         if batch.get("nonfinite") or self._nonfinite("loss", loss, batch):
             self._skip_update = True
         mask = batch["completion_mask"]
@@ -703,11 +823,18 @@ class GRPOTrainer(Trainer):
         return True
 
     def _loss(
-        self, logps: torch.Tensor, batch: dict[str, Any], entropy=None, policy_mask=None, train: bool = True
+        self,
+        logps: torch.Tensor,
+        batch: dict[str, Any],
+        entropy=None,
+        policy_mask=None,
+        train: bool = True,
+        router_aux: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """`core.grpo_loss` of the policy log-probs `logps` [B, T] on this micro-batch, with the config's settings: the
         policy term on the tokens of `policy_mask` [B, T] (None: all), minus the entropy bonus of `entropy` [B, T]
-        when it is on (`core.entropy_bonus`). Evaluation (`train=False`): on-policy, nothing accumulated."""
+        when it is on (`core.entropy_bonus`), plus `router_aux_loss_coef` x the mean of the MoE load-balancing losses
+        `router_aux` of its forwards (TRL). Evaluation (`train=False`): on-policy, nothing accumulated."""
         args, mask = self.args, batch["completion_mask"]
         loss, metrics = grpo_loss(
             logps,
@@ -728,7 +855,19 @@ class GRPOTrainer(Trainer):
             metrics["policy_loss"] = loss.item()
             tokens = mask if policy_mask is None else mask * policy_mask  # the policy term's tokens
             loss = loss - entropy_bonus(entropy, tokens, self._entropy.applied)
+        if router_aux:  # after the dapo rescaling: Trainer's division by the accumulation steps applies to it (TRL)
+            aux_loss = torch.stack(router_aux).mean()
+            metrics["aux_loss"] = aux_loss.item()
+            loss = loss + self.router_aux_loss_coef * aux_loss
         return loss, metrics
+
+    def _router_aux(self, kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+        """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob
+        `kwargs` as `router_aux` for the padded forward to fill (`logprobs.padded_logps`); else None."""
+        if self.router_aux_loss_coef == 0.0:
+            return None
+        kwargs["router_aux"] = []
+        return kwargs["router_aux"]
 
     def _high_entropy_mask(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
         """The policy term's tokens [B, T] for `top_entropy_quantile` (`get_high_entropy_mask`); None at 1.0: all."""
@@ -787,11 +926,12 @@ class GRPOTrainer(Trainer):
         if "advantages" not in batch:  # the batch cut a group: no advantages, no loss
             return None, None, None
         batch["ref_logps"] = self._reference_logps(batch)
-        with_entropy = self._entropy.enabled or self.args.top_entropy_quantile < 1.0
-        logps = self._logps_in_chunks(self.model, batch, with_entropy=with_entropy)  # [B, T], (+ entropy [B, T])
+        with_entropy, kwargs = self._entropy.enabled or self.args.top_entropy_quantile < 1.0, {}
+        router_aux = self._router_aux(kwargs)
+        logps = self._logps_in_chunks(self.model, batch, with_entropy=with_entropy, **kwargs)  # [B, T] (+ entropy)
         logps, entropy = logps if with_entropy else (logps, None)
         policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])
-        loss, _ = self._loss(logps, batch, entropy, policy_mask, train=False)
+        loss, _ = self._loss(logps, batch, entropy, policy_mask, train=False, router_aux=router_aux)
         return loss.detach(), None, None
 
     # ---- logging ---------------------------------------------------------------------------------------------
@@ -883,7 +1023,7 @@ class GRPOTrainer(Trainer):
         return os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
     def _run_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "num_processes": self.accelerator.num_processes,
             "micro_step": self._micro_step,
             "buffer": self._buffer,
@@ -891,9 +1031,29 @@ class GRPOTrainer(Trainer):
             "entropy_control": self._entropy.state(),
             "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
         }
+        if self.args.sync_ref_model and self.accelerator.is_main_process:  # the same on every process: saved once
+            state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
+        return state
+
+    def _load_reference(self, path: str, state: dict[str, Any] | None) -> None:
+        """sync_ref_model: the reference weights process 0 saved with its run state (`_run_state`), so that a resumed
+        run mixes into the same reference as the unbroken one."""
+        if not self.args.sync_ref_model:
+            return
+        saved = (state or {}).get("ref_model")
+        if saved is None:  # saved by process 0 only
+            saved = (checkpoint.load_run_state(path, 0, self.accelerator.device) or {}).get("ref_model")
+        if saved is None:
+            logger.warning(
+                f"{path} holds no reference weights (sync_ref_model): the reference restarts from the initial model, "
+                "so the resumed run does not repeat the original one exactly."
+            )
+            return
+        self.accelerator.unwrap_model(self.ref_model).load_state_dict(saved)
 
     def _load_run_state(self, path: str) -> None:
         state = checkpoint.load_run_state(path, self.accelerator.process_index, self.accelerator.device)
+        self._load_reference(path, state)
         if state is not None and state.get("num_processes") != self.accelerator.num_processes:
             state = None  # the buffered rollout was cut for another number of processes
         if state is None:

@@ -553,7 +553,7 @@ REWARDS = [
     Case(
         "reward_processing_classes count",
         both(rewards(length_reward), attr("kwargs", lambda s: {"reward_processing_classes": [None, None]})),
-        raises(ValueError, r"reward_processing_classes has 2 entries for 1"),
+        raises(ValueError, r"reward processing classes \(2\) must match the number of reward functions \(1\)"),
     ),
     Case(
         "reward without **kwargs",

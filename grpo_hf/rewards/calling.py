@@ -5,6 +5,10 @@
 ones concurrently on one persistent event loop. A result of the wrong shape or type is a bug and always raises;
 NaN/inf become None with a warning; an exception is located by calling the function again sample by sample, then
 raised (`error_policy="raise"`) or scored None and counted (`"skip"`).
+
+With a `RewardLogs`, functions that accept them also get TRL's `log_extra(column, values)` (one value per completion
+of the call, a column of the completions table) and `log_metric(name, value)` (a scalar, averaged into the metric
+`name`). What a call logs is kept only if the call succeeds; the per-sample retries log their own sample's row.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numbers
 import os
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,7 +30,7 @@ from grpo_hf.rewards.functions import reward_func_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REWARD_ARGUMENTS", "compute_rewards"]
+__all__ = ["REWARD_ARGUMENTS", "RewardLogs", "compute_rewards"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Calling reward functions: validation, async, timeouts, error policy
@@ -41,13 +46,80 @@ class _RewardTimeout(Exception):
 
 
 class _Outcome:
-    """Either `value` (the raw return) or `error` (the exception, possibly a `_RewardTimeout`)."""
+    """Either `value` (the raw return) or `error` (the exception, possibly a `_RewardTimeout`), and what the call
+    logged (`log`: a `_CallLog`, committed once the call is known to have succeeded)."""
 
-    __slots__ = ("value", "error")
+    __slots__ = ("value", "error", "log")
 
     def __init__(self, value: Any = None, error: BaseException | None = None):
         self.value = value
         self.error = error
+        self.log: _CallLog | None = None
+
+
+class RewardLogs:
+    """What reward functions log during one `compute_rewards` call through TRL's `log_extra` / `log_metric`.
+
+    `extra`: column name -> one value per completion (None where nothing was logged); `metrics`: metric name -> the
+    values logged for it, in call order.
+    """
+
+    def __init__(self, num_completions: int):
+        self.num_completions = num_completions
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+
+class _CallLog:
+    """The logs of one call of reward function `name` on the completions [offset, offset + n) of the batch."""
+
+    def __init__(self, sink: RewardLogs, name: str, offset: int, n: int):
+        self.sink, self.name, self.offset, self.n = sink, name, offset, n
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: list[tuple[str, float]] = []
+
+    def log_extra(self, column: str, values: list) -> None:
+        values = list(values)
+        if len(values) != self.n:
+            raise ValueError(
+                f"Reward function {self.name!r} called log_extra({column!r}, ...) with {len(values)} values for "
+                f"{self.n} completions: give one value per completion."
+            )
+        self.extra[str(column)] = values
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.append((str(name), float(value)))
+
+    def commit(self) -> None:
+        for column, values in self.extra.items():
+            self.sink.extra.setdefault(column, [None] * self.sink.num_completions)[
+                self.offset : self.offset + self.n
+            ] = values
+        for name, value in self.metrics:
+            self.sink.metrics[name].append(value)
+
+
+def _accepts(func: Callable, name: str) -> bool:
+    """Whether `func` takes the keyword argument `name` (by name, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in parameters)
+
+
+def _bind_logs(func: Callable, name: str, sink: RewardLogs | None, kwargs: dict, offset: int, n: int):
+    """`kwargs` plus `log_extra` / `log_metric` of a fresh `_CallLog` when `func` accepts them; and that log."""
+    if sink is None:
+        return kwargs, None
+    log = _CallLog(sink, name, offset, n)
+    extra = {key: getattr(log, key) for key in ("log_extra", "log_metric") if _accepts(func, key)}
+    return ({**kwargs, **extra}, log) if extra else (kwargs, None)
+
+
+def _with_log(outcome: _Outcome, log: _CallLog | None) -> _Outcome:
+    outcome.log = log
+    return outcome
 
 
 def _is_async(func: Any) -> bool:
@@ -133,14 +205,19 @@ def _sync_outcome(func: Callable, kwargs: dict, timeout: float | None) -> _Outco
     return _Outcome(value)
 
 
-def _sync_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None) -> Iterable[_Outcome]:
-    """One call per sample, lazily (the "raise" policy stops at the first failure)."""
-    return (_sync_outcome(func, _slice_kwargs(kwargs, i), timeout) for i in range(n))
+def _sync_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None, bind=None) -> Iterable[_Outcome]:
+    """One call per sample, lazily (the "raise" policy stops at the first failure). `bind(kwargs, offset, n)` adds
+    the log callables (`_bind_logs`)."""
+    for i in range(n):
+        call_kwargs, log = bind(_slice_kwargs(kwargs, i), i, 1) if bind else (_slice_kwargs(kwargs, i), None)
+        yield _with_log(_sync_outcome(func, call_kwargs, timeout), log)
 
 
-def _async_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None) -> list[_Outcome]:
+def _async_per_sample(func: Callable, kwargs: dict, n: int, timeout: float | None, bind=None) -> list[_Outcome]:
     """One call per sample, all concurrently."""
-    return _run_coroutine(_gather_outcomes([(func, _slice_kwargs(kwargs, i)) for i in range(n)], timeout))
+    calls = [bind(_slice_kwargs(kwargs, i), i, 1) if bind else (_slice_kwargs(kwargs, i), None) for i in range(n)]
+    outcomes = _run_coroutine(_gather_outcomes([(func, call_kwargs) for call_kwargs, _ in calls], timeout))
+    return [_with_log(outcome, log) for outcome, (_, log) in zip(outcomes, calls, strict=True)]
 
 
 def _slice_kwargs(kwargs: dict, i: int) -> dict:
@@ -233,7 +310,10 @@ def _resolve(
 ) -> tuple[list[float | None], int]:
     """Turn one function's batch outcome into n rewards and an error count, retrying per sample after an exception."""
     if batch.error is None:
-        return _to_floats(name, batch.value, n), 0
+        rewards = _to_floats(name, batch.value, n)
+        if batch.log is not None:
+            batch.log.commit()
+        return rewards, 0
     error = batch.error
     if isinstance(error, _RewardTimeout):
         if error_policy == "raise":
@@ -254,6 +334,8 @@ def _resolve(
             rewards.append(None)
         else:
             rewards.extend(_to_floats(name, outcome.value, 1))
+            if outcome.log is not None:
+                outcome.log.commit()
     if error_policy == "raise":  # every sample passes alone: the batch as a whole is the problem
         where = f"on the batch of {n} completions (each sample passes alone; sample 0: {_describe_sample(kwargs, 0)})"
         raise RuntimeError(_failure_message(name, error, where, timeout)) from error
@@ -281,6 +363,7 @@ def compute_rewards(
     trainer_state: Any = None,
     timeout: float | None = None,
     error_policy: str = "raise",
+    logs: RewardLogs | None = None,
 ) -> tuple[list[list[float]], dict[str, int]]:
     """Call every reward function on the batch; return an `[N][R]` matrix (NaN = None) and error counts per name.
 
@@ -299,25 +382,13 @@ def compute_rewards(
       sync call keeps running in its daemon thread; a timed-out async call is cancelled.
 
     Error counts are keyed by `reward_func_name` (functions sharing a name share a count).
+
+    `logs`: a `RewardLogs(len(completions))` to collect what the functions log; functions that take `log_extra` /
+    `log_metric` (by name or **kwargs) then get them (TRL's callables). None: they are not passed.
     """
-    if error_policy not in _ERROR_POLICIES:
-        raise ValueError(f"error_policy={error_policy!r} must be one of {_ERROR_POLICIES}.")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout={timeout} must be > 0 seconds (or None for no limit).")
     n = len(completions)
     columns = dict(columns or {})
-    lengths = {
-        "prompts": len(prompts),
-        **({"completion_ids": len(completion_ids)} if completion_ids is not None else {}),
-    }
-    for key, value in columns.items():
-        if key in REWARD_ARGUMENTS:
-            raise ValueError(f"Column {key!r} clashes with a reward-function argument; rename it.")
-        lengths[key] = len(value)
-    wrong = {k: v for k, v in lengths.items() if v != n}
-    if wrong:
-        raise ValueError(f"compute_rewards got {n} completions but lengths {wrong}.")
-
+    _check_arguments(prompts, completions, completion_ids, columns, timeout, error_policy)
     kwargs = {
         "prompts": prompts,
         "completions": completions,
@@ -335,16 +406,47 @@ def compute_rewards(
             if r is not None:
                 rewards[i][j] = r
 
+    _call_each(reward_funcs, names, kwargs, n, timeout, error_policy, logs, store)
+    return rewards, errors
+
+
+def _check_arguments(prompts, completions, completion_ids, columns, timeout, error_policy) -> None:
+    """`compute_rewards`' arguments: a known error policy, a positive timeout, one value per completion everywhere."""
+    if error_policy not in _ERROR_POLICIES:
+        raise ValueError(f"error_policy={error_policy!r} must be one of {_ERROR_POLICIES}.")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be > 0 seconds (or None for no limit).")
+    n = len(completions)
+    lengths = {
+        "prompts": len(prompts),
+        **({"completion_ids": len(completion_ids)} if completion_ids is not None else {}),
+    }
+    for key, value in columns.items():
+        if key in REWARD_ARGUMENTS:
+            raise ValueError(f"Column {key!r} clashes with a reward-function argument; rename it.")
+        lengths[key] = len(value)
+    wrong = {k: v for k, v in lengths.items() if v != n}
+    if wrong:
+        raise ValueError(f"compute_rewards got {n} completions but lengths {wrong}.")
+
+
+def _call_each(reward_funcs, names, kwargs, n, timeout, error_policy, logs, store) -> None:
+    """Call the sync functions one after another, then the async ones together; `store(j, rewards, failed)` each
+    function's resolved rewards (`_resolve`)."""
     is_async = [_is_async(f) for f in reward_funcs]
+    binds = [functools.partial(_bind_logs, f, name, logs) for f, name in zip(reward_funcs, names, strict=True)]
     for j, func in enumerate(reward_funcs):
         if not is_async[j]:
-            batch = _sync_outcome(func, kwargs, timeout)
-            per_sample = functools.partial(_sync_per_sample, func, kwargs, n, timeout)
+            call_kwargs, log = binds[j](kwargs, 0, n)
+            batch = _with_log(_sync_outcome(func, call_kwargs, timeout), log)
+            per_sample = functools.partial(_sync_per_sample, func, kwargs, n, timeout, binds[j])
             store(j, *_resolve(names[j], batch, per_sample, kwargs, n, timeout, error_policy))
     async_idx = [j for j in range(len(reward_funcs)) if is_async[j]]
     if async_idx:
-        outcomes = _run_coroutine(_gather_outcomes([(reward_funcs[j], kwargs) for j in async_idx], timeout))
-        for j, batch in zip(async_idx, outcomes, strict=True):
-            per_sample = functools.partial(_async_per_sample, reward_funcs[j], kwargs, n, timeout)
-            store(j, *_resolve(names[j], batch, per_sample, kwargs, n, timeout, error_policy))
-    return rewards, errors
+        calls = [binds[j](kwargs, 0, n) for j in async_idx]
+        outcomes = _run_coroutine(
+            _gather_outcomes([(reward_funcs[j], kw) for j, (kw, _) in zip(async_idx, calls, strict=True)], timeout)
+        )
+        for j, batch, (_, log) in zip(async_idx, outcomes, calls, strict=True):
+            per_sample = functools.partial(_async_per_sample, reward_funcs[j], kwargs, n, timeout, binds[j])
+            store(j, *_resolve(names[j], _with_log(batch, log), per_sample, kwargs, n, timeout, error_policy))

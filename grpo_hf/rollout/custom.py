@@ -1,0 +1,120 @@
+"""Rollout rows from outside the engines: a user's `rollout_func` (TRL 1.16's contract), and shape padding.
+
+`rollout_func(prompts, trainer) -> dict` replaces tokenisation and sampling for one rollout round. It gets this
+process's prompt rows as the sampler serves them (each prompt already repeated `num_generations` times, kept
+together; the raw prompts, chat messages untemplated) and the trainer, and returns one completion per row:
+
+- `prompt_ids`, `completion_ids`: lists of token-id lists, one per row (no padding). The log-probs of the loss are
+  those of `prompt_ids + completion_ids`, so they must be the tokens the policy would see.
+- `logprobs`: the sampler's per-token log-probs. Required, as in TRL; not used (TRL uses them only for its vLLM
+  importance-sampling correction, which has no counterpart here).
+- `logprob_token_ids`: optional, not used either.
+- any other key: passed to the reward functions as a keyword argument, a list (one value per row) or one value
+  for every row.
+
+A completion is scored and trained on whole: its mask covers every returned token, and it counts as truncated
+when its last token is neither an EOS nor the pad token (TRL's rule). `env_mask` (tokens excluded from the loss)
+is refused: grpo_hf has one mask per completion token for attention and loss alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+_UNUSED_KEYS = ("logprob_token_ids",)
+
+
+def rollout_from_func(
+    rollout_func: Callable[[list, Any], dict[str, Any]],
+    prompts: list,
+    trainer: Any,
+    *,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    device: torch.device,
+) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """Call `rollout_func` on this process's prompt rows; return the rollout tensors (`prompt_ids`/`prompt_mask`
+    [B, P] left-padded, `completion_ids`/`completion_mask` [B, T] right-padded, `is_truncated` [B]) and the extra
+    fields as reward-function columns (one value per row)."""
+    output = rollout_func(list(prompts), trainer)
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}.")
+    missing = sorted(set(REQUIRED_KEYS) - output.keys())
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+    if "env_mask" in output:
+        raise ValueError(
+            "rollout_func returned 'env_mask' (tokens to leave out of the loss), which grpo_hf does not support: its "
+            "completion mask covers attention and loss alike. Drop those tokens from completion_ids instead."
+        )
+    n = len(prompts)
+    for key in ("prompt_ids", "completion_ids"):
+        if len(output[key]) != n:
+            raise ValueError(
+                f"rollout_func returned {len(output[key])} {key} for {n} prompt rows: return one per row (the rows "
+                "already hold num_generations copies of each prompt)."
+            )
+    prompt_ids, prompt_mask = _pad([list(ids) for ids in output["prompt_ids"]], pad_token_id, left=True)
+    completion_ids, completion_mask = _pad([list(ids) for ids in output["completion_ids"]], pad_token_id, left=False)
+    ends = set(eos_token_ids) | {pad_token_id}
+    is_truncated = torch.tensor([len(ids) == 0 or int(ids[-1]) not in ends for ids in output["completion_ids"]])
+    tensors = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "is_truncated": is_truncated,
+    }
+    tensors = {key: value.to(device) for key, value in tensors.items()}
+    return tensors, _extra_columns(output, n)
+
+
+def _extra_columns(output: dict[str, Any], n: int) -> dict[str, list]:
+    """The keys of `output` beyond the contract's, one value per row: a list of n values, or one value for all."""
+    columns = {}
+    for key, values in output.items():
+        if key in REQUIRED_KEYS or key in _UNUSED_KEYS:
+            continue
+        if isinstance(values, list):
+            if len(values) != n:
+                raise ValueError(
+                    f"rollout_func returned {key!r} with {len(values)} values for {n} rows: give one per row, or a "
+                    "single value (not a list) for every row."
+                )
+            columns[key] = values
+        else:
+            columns[key] = [values] * n
+    return columns
+
+
+def _pad(rows: list[list[int]], pad_token_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> ids and mask [n, max(1, longest)], padded on the left or the right."""
+    width = max([1, *(len(ids) for ids in rows)])
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            span = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, span] = torch.tensor(row, dtype=torch.long)
+            mask[i, span] = 1
+    return ids, mask
+
+
+def pad_to_multiple(rollout: dict[str, Any], multiple: int | None, pad_token_id: int) -> dict[str, Any]:
+    """`rollout` with `prompt_ids`/`prompt_mask` padded on the left and `completion_ids`/`completion_mask` (and
+    `old_logps`/`ref_logps` when present) on the right to widths that are multiples of `multiple`
+    (`pad_to_multiple_of`; None: unchanged). The new positions are masked out: every log-prob and loss is unchanged."""
+    if multiple is None or multiple <= 1:
+        return rollout
+    padded = dict(rollout)
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logps", "ref_logps"):
+        value, left = rollout.get(key), key.startswith("prompt")
+        missing = 0 if value is None else -value.size(1) % multiple
+        if missing:
+            fill = value.new_full((value.size(0), missing), pad_token_id if key.endswith("_ids") else 0)
+            padded[key] = torch.cat([fill, value] if left else [value, fill], dim=1)
+    return padded
