@@ -63,7 +63,6 @@ class ScriptArguments:
     attn_implementation: str | None = field(
         default=None, metadata={"help": "e.g. 'sdpa', 'flash_attention_2'. None: the transformers default."}
     )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
 
     # ---- data ---------------------------------------------------------------------------------------
     dataset_name: str = field(
@@ -308,9 +307,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_path = args.model_name_or_path
     logger.info("Loading %s", model_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=config.trust_remote_code)
     model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
-    model = load_model(model_path, dtype=args.model_dtype, trust_remote_code=args.trust_remote_code, **model_kwargs)
+    model = load_model(model_path, dtype=args.model_dtype, trust_remote_code=config.trust_remote_code, **model_kwargs)
 
     need_eval = args.eval_only or args.eval_before or args.eval_after
     train_dataset, eval_dataset = load_datasets(args, config.seed, need_eval, need_train=not args.eval_only)
