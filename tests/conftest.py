@@ -69,3 +69,20 @@ def tiny_llama(tokenizer):
 @pytest.fixture
 def tiny_qwen2(tokenizer):
     return build_tiny_model(tokenizer, "qwen2")
+
+
+def tiny_run_args(tmp_path, **overrides):
+    """A GRPOConfig for one CPU step on a tiny model: 2 groups of 2, 4 tokens; `overrides` win."""
+    from grpo_hf import GRPOConfig
+
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+    )
+    return GRPOConfig(**{**settings, **overrides})

@@ -7,26 +7,14 @@ import re
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_run_args
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOTrainer
 from grpo_hf.core import check_finite_rewards
 
-
-def _args(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-    )
-    return GRPOConfig(**{**settings, **overrides})
+_args = tiny_run_args
 
 
 def test_a_reward_too_large_for_float32_stops_training_and_names_the_function(tmp_path, tokenizer):

@@ -4,24 +4,12 @@ import re
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_run_args
 from datasets import Dataset, DatasetDict
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOTrainer
 
-
-def _args(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-    )
-    return GRPOConfig(**{**settings, **overrides})
+_args = tiny_run_args
 
 
 def _reward(completion_ids, **kwargs):

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from grpo_hf.rollout.prompts import pad_columns, pad_token_lists
+
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 _UNUSED_KEYS = ("logprob_token_ids",)
 
@@ -58,8 +60,8 @@ def rollout_from_func(
                 f"rollout_func returned {len(output[key])} {key} for {n} prompt rows: return one per row (the rows "
                 "already hold num_generations copies of each prompt)."
             )
-    prompt_ids, prompt_mask = _pad([list(ids) for ids in output["prompt_ids"]], pad_token_id, left=True)
-    completion_ids, completion_mask = _pad([list(ids) for ids in output["completion_ids"]], pad_token_id, left=False)
+    prompt_ids, prompt_mask = pad_token_lists(output["prompt_ids"], pad_token_id, left=True)
+    completion_ids, completion_mask = pad_token_lists(output["completion_ids"], pad_token_id, left=False)
     ends = set(eos_token_ids) | {pad_token_id}
     is_truncated = torch.tensor([len(ids) == 0 or int(ids[-1]) not in ends for ids in output["completion_ids"]])
     tensors = {
@@ -91,19 +93,6 @@ def _extra_columns(output: dict[str, Any], n: int) -> dict[str, list]:
     return columns
 
 
-def _pad(rows: list[list[int]], pad_token_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id lists -> ids and mask [n, max(1, longest)], padded on the left or the right."""
-    width = max([1, *(len(ids) for ids in rows)])
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            span = slice(width - len(row), width) if left else slice(0, len(row))
-            ids[i, span] = torch.tensor(row, dtype=torch.long)
-            mask[i, span] = 1
-    return ids, mask
-
-
 def pad_to_multiple(rollout: dict[str, Any], multiple: int | None, pad_token_id: int) -> dict[str, Any]:
     """`rollout` with `prompt_ids`/`prompt_mask` padded on the left and `completion_ids`/`completion_mask` (and
     `old_logps`/`ref_logps` when present) on the right to widths that are multiples of `multiple`
@@ -112,9 +101,9 @@ def pad_to_multiple(rollout: dict[str, Any], multiple: int | None, pad_token_id:
         return rollout
     padded = dict(rollout)
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logps", "ref_logps"):
-        value, left = rollout.get(key), key.startswith("prompt")
-        missing = 0 if value is None else -value.size(1) % multiple
-        if missing:
-            fill = value.new_full((value.size(0), missing), pad_token_id if key.endswith("_ids") else 0)
-            padded[key] = torch.cat([fill, value] if left else [value, fill], dim=1)
+        value = rollout.get(key)
+        if value is not None:
+            width = value.size(1) + -value.size(1) % multiple
+            fill = pad_token_id if key.endswith("_ids") else 0
+            padded[key] = pad_columns(value, width, fill, left=key.startswith("prompt"))
     return padded

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_hf.rollout.prompts import pad_columns
+
 # Rows of one rollout round: tensors [N, ...] and lists of N Python objects, all in global row order.
 Rows = dict[str, Any]
 
@@ -70,14 +72,6 @@ class FreshPrompts:
         return rows
 
 
-def _pad_to(tensor: Tensor, width: int, value: int, left: bool) -> Tensor:
-    missing = width - tensor.size(1)
-    if missing == 0:
-        return tensor
-    padding = tensor.new_full((tensor.size(0), missing), value)
-    return torch.cat([padding, tensor] if left else [tensor, padding], dim=1)
-
-
 def stack_rows(parts: Sequence[Rows], pad_token_id: int) -> Rows:
     """Concatenate row sets along the rows: prompts left-padded and completions right-padded to common widths."""
     stacked: Rows = {}
@@ -89,7 +83,7 @@ def stack_rows(parts: Sequence[Rows], pad_token_id: int) -> Rows:
         if key in _LEFT_PADDED or key in _RIGHT_PADDED:
             width = max(value.size(1) for value in values)
             fill = pad_token_id if key.endswith("_ids") else 0
-            values = [_pad_to(value, width, fill, left=key in _LEFT_PADDED) for value in values]
+            values = [pad_columns(value, width, fill, left=key in _LEFT_PADDED) for value in values]
         stacked[key] = torch.cat(values, dim=0)
     return stacked
 

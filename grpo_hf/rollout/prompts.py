@@ -126,18 +126,34 @@ def tokenize_prompts(
     if any(len(ids) == 0 for ids in encoded):
         raise ValueError("A prompt encodes to zero tokens; remove empty prompts from the dataset.")
 
-    width = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id
-    unique_ids = torch.full((len(encoded), width), pad, dtype=torch.long)  # [U, P]
-    unique_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [U, P]
-    for k, ids in enumerate(encoded):
-        unique_ids[k, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        unique_mask[k, width - len(ids) :] = 1
+    unique_ids, unique_mask = pad_token_lists(encoded, tokenizer.pad_token_id, left=True)  # [U, P] each
     repeats = torch.tensor(counts)
     prompt_ids = unique_ids.repeat_interleave(repeats, dim=0)  # [N, P]
     prompt_mask = unique_mask.repeat_interleave(repeats, dim=0)  # [N, P]
     is_prompt_truncated = torch.tensor(truncated).repeat_interleave(repeats)  # [N]
     return prompt_ids, prompt_mask, is_prompt_truncated
+
+
+def pad_token_lists(rows: Sequence[Sequence[int]], pad_token_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> ids and mask [n, max(1, longest)] (long), padded on the left or the right."""
+    width = max([1, *(len(ids) for ids in rows)])
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            span = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, span] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, span] = 1
+    return ids, mask
+
+
+def pad_columns(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    """`tensor` [n, w] padded with `value` to [n, width], on the left or the right (as it is if w >= width)."""
+    missing = width - tensor.size(1)
+    if missing <= 0:
+        return tensor
+    padding = tensor.new_full((tensor.size(0), missing), value)
+    return torch.cat([padding, tensor] if left else [tensor, padding], dim=1)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

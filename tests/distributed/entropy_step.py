@@ -12,52 +12,26 @@ import sys
 from pathlib import Path
 
 import torch
-from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from grpo_step import GLOBAL_BATCH, FixedEngine, G, T  # noqa: E402
-
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo_hf.rollout import register_engine  # noqa: E402
+from grpo_step import GLOBAL_BATCH, build_trainer  # noqa: E402
 
 
 def main(out_path: str, fast: bool) -> None:
-    register_engine("fixed", FixedEngine)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=5)
-    dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
-
-    def reward(completion_ids, **kwargs):
-        return [float(sum(ids) % 11) for ids in completion_ids]
-
-    args = GRPOConfig(
-        output_dir=str(Path(out_path).parent / "run"),
+    trainer = build_trainer(
+        out_path,
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
         share_prompt_prefix=fast,
-        num_generations=G,
-        max_completion_length=T,
-        max_steps=1,
-        optim="sgd",
         learning_rate=1.0,
         max_grad_norm=0.0,
-        beta=0.04,
         top_entropy_quantile=0.3,
         use_adaptive_entropy=True,
         entropy_coef_delta=0.05,
         entropy_target=100.0,
-        shuffle_dataset=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        rollout_engine="fixed",
     )
-    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     if trainer.accelerator.is_main_process:
         log = next(h for h in trainer.state.log_history if "loss" in h)

@@ -40,11 +40,9 @@ class FixedEngine(RolloutEngine):
         return completion_ids.to(prompt_ids.device)
 
 
-def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
+def build_trainer(out_path: str, **settings) -> GRPOTrainer:
+    """The tiny model, 4 prompts and fixed rollouts (`FixedEngine`), with one step of this layout's `settings`."""
     register_engine("fixed", FixedEngine)
-    # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
-    # the process count comes from torchrun's environment here.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=5)
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
@@ -52,18 +50,12 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
     def reward(completion_ids, **kwargs):
         return [float(sum(ids) % 11) for ids in completion_ids]
 
-    args = GRPOConfig(
+    common = dict(
         output_dir=str(Path(out_path).parent / "run"),
-        per_device_train_batch_size=GLOBAL_BATCH // world_size // accumulation,
-        gradient_accumulation_steps=accumulation,
-        share_prompt_prefix=fast,  # the fast path (shared prompt, per-group backward) bypasses DDP's forward
         num_generations=G,
         max_completion_length=T,
         max_steps=1,
         optim="sgd",
-        learning_rate=100.0,
-        max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
-        loss_type=loss_type,
         beta=0.04,
         shuffle_dataset=False,
         use_cpu=True,
@@ -73,7 +65,23 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
         seed=0,
         rollout_engine="fixed",
     )
-    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    args = GRPOConfig(**{**common, **settings})
+    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
+    # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
+    # the process count comes from torchrun's environment here.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = build_trainer(
+        out_path,
+        per_device_train_batch_size=GLOBAL_BATCH // world_size // accumulation,
+        gradient_accumulation_steps=accumulation,
+        share_prompt_prefix=fast,  # the fast path (shared prompt, per-group backward) bypasses DDP's forward
+        learning_rate=100.0,
+        max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
+        loss_type=loss_type,
+    )
     trainer.train()
     advantages = torch.cat([part["advantages"] for part in trainer._buffer])
     all_advantages = trainer.accelerator.gather(advantages)
