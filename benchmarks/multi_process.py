@@ -10,7 +10,10 @@ step, beta 0.04), each launched fresh with `torch.distributed.run` (gloo on CPU,
 
 - 1 process, fast paths on (shared prompt prefix, per-group backward): the reference;
 - 2 processes, fast paths on: one generation batch of 32 split across them, the same per-device batch;
-- 2 processes, fast paths off (the padded path through DDP's forward).
+- 2 processes, fast paths off (the padded path through DDP's forward);
+- a control: two independent 1-process runs started together. On a 2-core machine two busy processes share the
+  memory bandwidth and caches, so a process is slower next to another one whatever they do; the 2-process run
+  divided by this control is what DDP itself costs (the gradient all-reduce and waiting for the slower process).
 
 Every process gets one thread (`OMP_NUM_THREADS=1`), so that on a 2-core machine each process has a core of its
 own and the per-process numbers compare: a process of the 2-process runs does the same work as the 1-process run.
@@ -32,10 +35,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = [  # label, processes, fast paths
-    ("1 process, fast", 1, True),
-    ("2 processes, fast", 2, True),
-    ("2 processes, padded", 2, False),
+LAYOUTS = [  # label, processes per run, fast paths, runs at once
+    ("1 process, fast", 1, True, 1),
+    ("2 processes, fast", 2, True, 1),
+    ("2 processes, padded", 2, False, 1),
+    ("control: 2 lone 1-process runs at once, fast", 1, True, 2),
 ]
 
 
@@ -79,16 +83,26 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def launch(processes: int, fast: bool, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-            __file__, "--worker", "--out", out, "--steps", str(args.steps),
-            "--max-completion-length", str(args.max_completion_length), *(["--fast"] if fast else []),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        subprocess.run(command, check=True, env=env)
-        return [json.loads(Path(out, f"rank{k}.json").read_text()) for k in range(processes)]
+def launch(processes: int, fast: bool, runs: int, args: argparse.Namespace) -> list[dict]:
+    """`runs` independent launches of `processes` processes each, started together; every process's record."""
+    with tempfile.TemporaryDirectory() as root:
+        outs = [Path(root, str(k)) for k in range(runs)]
+        jobs = [_start(processes, fast, out, args) for out in outs]
+        for job in jobs:
+            if job.wait() != 0:
+                raise subprocess.CalledProcessError(job.returncode, job.args)
+        return [json.loads(Path(out, f"rank{k}.json").read_text()) for out in outs for k in range(processes)]
+
+
+def _start(processes: int, fast: bool, out: Path, args: argparse.Namespace) -> subprocess.Popen:
+    out.mkdir()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+        __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
+        "--max-completion-length", str(args.max_completion_length), *(["--fast"] if fast else []),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(command, env=env)
 
 
 def main() -> None:
@@ -103,7 +117,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    results = {label: launch(processes, fast, args) for label, processes, fast in LAYOUTS}
+    results = {label: launch(processes, fast, runs, args) for label, processes, fast, runs in LAYOUTS}
     rows = []
     for label, records in results.items():
         rss = max(r["peak_rss_mib"] for r in records)
@@ -113,10 +127,12 @@ def main() -> None:
     print("|---|---|---|---|")
     for label, rss, step, used in rows:
         print(f"| {label} | {rss:,.0f} | {step:.2f} | {used} |")
-    (_, rss1, step1, _), (_, rss2, step2, _), (_, rss_pad, step_pad, _) = rows
+    (_, rss1, step1, _), (_, rss2, step2, _), (_, rss_pad, step_pad, _), (_, _, step_alone, _) = rows
     print(
         f"\n2 processes fast / 1 process: memory {rss2 / rss1:.2f}x, step time {step2 / step1:.2f}x; "
-        f"2 processes padded / 1 process: memory {rss_pad / rss1:.2f}x, step time {step_pad / step1:.2f}x"
+        f"2 processes padded / 1 process: memory {rss_pad / rss1:.2f}x, step time {step_pad / step1:.2f}x\n"
+        f"2 processes fast / the control (what DDP itself costs, the machine's shared memory bandwidth taken out): "
+        f"step time {step2 / step_alone:.2f}x"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -701,7 +701,7 @@ class GRPOTrainer(Trainer):
     def _shared_prefix_blocker(self, model: nn.Module) -> str | None:
         """Why `logprobs.shared_prefix_logps` does not apply, or None when it does: the option is on, the model is
         the bare module or wrapped by DDP only (whose forward the fast path bypasses: `training_step` then averages
-        the gradients itself; FSDP and DeepSpeed shard the weights), it is not gradient-checkpointed (checkpointed
+        the gradients itself; FSDP and ZeRO-3 shard the weights), it is not gradient-checkpointed (checkpointed
         layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
         if not self.args.share_prompt_prefix:
             return "share_prompt_prefix=False"
@@ -711,7 +711,10 @@ class GRPOTrainer(Trainer):
                 "logits of every row's prompt, which the shared-prefix forward computes once per group"
             )
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            return "FSDP/DeepSpeed shard the weights, which only the wrapper's own forward gathers"
+            return (
+                "FSDP and DeepSpeed ZeRO-3 shard the weights, which only the wrapper's own forward gathers; under "
+                "ZeRO-1/2 the engine reduces and partitions the gradients, untested with the bare module's forward"
+            )
         module = self.accelerator.unwrap_model(model)
         if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
             return f"the model is wrapped by {type(model).__name__}"
