@@ -38,9 +38,10 @@ def _series(log_history: Iterable[dict], key: str) -> tuple[list[float], list[fl
 def plot_training_curves(log_history: list[dict], path: str | os.PathLike, title: str | None = None) -> str | None:
     """Write the training curves of `log_history` to `path` (PNG); return the path, or None if nothing was logged.
 
-    Training entries are used (evaluation entries, whose keys start with `eval_`, are not mixed in).
+    Training entries are used: not evaluation entries (keys starting with `eval_`), nor the end-of-training row
+    (`train_runtime`), which repeats the last step's metrics.
     """
-    log_history = [e for e in log_history if not any(k.startswith("eval_") for k in e)]
+    log_history = [e for e in log_history if "train_runtime" not in e and not any(k.startswith("eval_") for k in e)]
     keys = sorted({k for e in log_history for k in e})
     panels = []
     for panel_title, wanted in _PANELS:

@@ -173,10 +173,13 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None, trust_remot
     """`GRPOTrainer`'s `reward_funcs` as a list of callables: functions as they are, registry names and
     "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s (loaded with
     `trust_remote_code`, their tokenizers too)."""
+    if reward_funcs is None or (isinstance(reward_funcs, list | tuple) and len(reward_funcs) == 0):
+        raise ValueError(  # TRL's opening words, so that ported code that matches them still does
+            "No reward source provided: reward_funcs is empty. Pass at least one reward function, registry name or "
+            "reward model, e.g. reward_funcs=['accuracy', 'gsm8k_format'] or reward_funcs=[my_reward]."
+        )
     if not isinstance(reward_funcs, list | tuple):
         reward_funcs = [reward_funcs]
-    if len(reward_funcs) == 0:
-        raise ValueError("reward_funcs is empty: give at least one reward function, name or model.")
     if reward_processing_classes is not None and not isinstance(reward_processing_classes, list | tuple):
         reward_processing_classes = [reward_processing_classes]
     if reward_processing_classes is not None and len(reward_processing_classes) != len(reward_funcs):

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from grpo_hf import checkpoint, validation  # validation: the input checks, and when each runs
+from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
 from grpo_hf.completion_log import completion_rows, write_completions
 from grpo_hf.config import GRPOConfig, as_dict
 from grpo_hf.core import (
@@ -64,6 +64,7 @@ from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_
 from grpo_hf.rewards import compute_rewards, reward_func_name
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import (
+    RepeatedStream,
     RepeatSampler,
     RolloutEngine,
     eos_token_ids_of,
@@ -161,8 +162,10 @@ class GRPOTrainer(Trainer):
             sequence-classification `PreTrainedModel`, or a path/Hub id of one.
         args: a `GRPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column (text, or a list of chat
-            messages); every other column reaches the reward functions as a keyword argument.
-        eval_dataset: same format; evaluated by sampling `num_generations_eval` completions per prompt.
+            messages); every other column reaches the reward functions as a keyword argument. A stream
+            (`datasets.IterableDataset`) works too, with `max_steps` set (`grpo_hf.streams`).
+        eval_dataset: same format, or a dict of them; evaluated by sampling `num_generations_eval` completions per
+            prompt.
         processing_class: the tokenizer; loaded from `model` when None.
         reward_processing_classes: tokenizers for reward models (one per reward function, None
             entries load the reward model's own).
@@ -181,7 +184,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: RewardFunc | list[RewardFunc],
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -207,6 +210,7 @@ class GRPOTrainer(Trainer):
         validation.check_policy_model(model, processing_class, peft_config)
         max_positions = validation.model_max_positions(model)
         columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
+        streams.configure_args(args, train_dataset, eval_dataset)  # before Trainer builds the accelerator
 
         self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
@@ -252,6 +256,7 @@ class GRPOTrainer(Trainer):
         self._buffer: list[dict[str, Any]] = []
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completion_rows: list[dict[str, Any]] = []
+        self._last_train_metrics: dict[str, float] = {}  # the last logged train means, for the end-of-training row
         self._num_tokens = 0
         self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling's prompts
@@ -287,6 +292,11 @@ class GRPOTrainer(Trainer):
 
             return prepare_fsdp(ref_model, self.accelerator)
         return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's attribute: whether the MoE load-balancing loss is in the training loss (`router_aux_loss_coef`)."""
+        return self.router_aux_loss_coef != 0.0
 
     @property
     def reward_processing_classes(self) -> list:
@@ -372,6 +382,25 @@ class GRPOTrainer(Trainer):
             prompts_per_batch=1,
             shuffle=False,
         )
+
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
+        """Trainer's, and for a stream (`datasets.IterableDataset`, `grpo_hf.streams`) the samplers' order made on
+        the stream itself (`RepeatedStream`), read by one worker."""
+        if not streams.is_stream(dataset):
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
+        args = self.args
+        if not is_training:  # it may be new (`evaluate(eval_dataset=stream)`): its config and first rows
+            validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
+        self.accelerator.dataloader_config.dispatch_batches = False
+        if is_training:
+            stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+            per_generation = args.steps_per_generation * args.num_iterations
+            G = args.num_generations
+            dataset = RepeatedStream(stream, G, args.generation_batch_size // G, repeat_count=per_generation)
+        else:
+            dataset = RepeatedStream(dataset, args.num_generations_eval or args.num_generations)
+        with streams.one_worker(args):
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
 
     def get_train_dataloader(self):
         # Each dataloader batch is this process's share of a whole generation batch; the sampler
@@ -942,6 +971,10 @@ class GRPOTrainer(Trainer):
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         collected = self._metrics[mode]
         keys = sorted(key for key, values in collected.items() if values)
+        if mode == "train" and "train_runtime" in logs and not keys:
+            # Trainer's end-of-training row: with every step already logged (logging_steps=1), it repeats the last
+            # step's metrics, as TRL's does (logging_steps=10 leaves metrics unlogged there), for log_history[-1].
+            logs.update(self._last_train_metrics)
         if keys:
             means = torch.tensor(
                 [sum(collected[k]) / len(collected[k]) for k in keys], dtype=torch.float64, device=self.args.device
@@ -954,6 +987,8 @@ class GRPOTrainer(Trainer):
             )
             prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
             logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
+            if mode == "train":
+                self._last_train_metrics = dict(zip(keys, means.tolist(), strict=True))
         collected.clear()
         tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):

@@ -13,7 +13,8 @@ What is checked when:
   3. `check_policy_model`: a decoder-only causal LM whose vocabulary covers the tokenizer, a pad token, and
      trainable parameters (or adapters from `peft_config`).
   4. `check_datasets`: each dataset (train, eval, each split of a dict of eval datasets) is map-style
-     (`_require_map_style`: the one place that says which dataset types are supported), has a 'prompt' column,
+     (`_require_map_style`: the one place that says which dataset types are supported) or a stream (`_check_stream`:
+     the config it needs, then its first rows are checked as below), has a 'prompt' column,
      no column named like a reward-function argument, and (train) rows for one generation batch; then one pass over
      its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to render
      them; and, only where left-truncation to `max_prompt_length` does not already keep prompt + completion within
@@ -43,6 +44,7 @@ from typing import Any
 import datasets
 from transformers import GenerationConfig
 
+from grpo_hf import streams
 from grpo_hf.config import as_dict
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
 from grpo_hf.rollout.prompts import is_conversational, prompt_text
@@ -241,8 +243,47 @@ def check_datasets(train_dataset, eval_dataset, tokenizer, args, model_max_posit
 
 
 def check_dataset(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train=True) -> list[str]:
-    """One dataset: its type, columns and size, then one pass over its prompts. Returns its reward columns."""
+    """One dataset: its type, columns and size, then one pass over its prompts (a stream: `_check_stream`). Returns
+    its reward columns."""
+    if streams.is_stream(dataset):
+        return _check_stream(dataset, name, tokenizer, args, model_max_positions, is_train)
     _require_map_style(dataset, name)
+    return _check_rows(dataset, name, tokenizer, args, model_max_positions, is_train)
+
+
+def _check_stream(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool) -> list[str]:
+    """A stream (`datasets.IterableDataset`): what it needs from the config, then its first rows
+    (`streams.STREAM_ROWS_CHECKED`) as a dataset's are checked; later rows are not read before training."""
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError(  # TRL's opening words
+            f"Iterable datasets require `dispatch_batches=False`: {name} is a stream, which every process reads for "
+            "its share of each batch, but accelerator_config sets dispatch_batches=True. Set it to False."
+        )
+    if is_train and args.max_steps <= 0:
+        raise ValueError(
+            f"{name} is a stream (IterableDataset): it has no length, so the number of training steps is unknown. "
+            "Set max_steps, e.g. GRPOConfig(max_steps=1000)."
+        )
+    if is_train and args.dynamic_sampling:
+        raise ValueError(
+            f"dynamic_sampling draws extra prompts from {name} by index, and a stream (IterableDataset) has none. "
+            "Turn dynamic_sampling off, or load the dataset without streaming=True."
+        )
+    rows = streams.first_rows(dataset)
+    if not rows:
+        raise ValueError(f"{name} is an empty stream: it needs at least one prompt.")
+    if is_train and len(rows) < args.generation_batch_size // args.num_generations:
+        raise ValueError(
+            f"{name} streams {len(rows)} prompts but one generation batch takes "
+            f"{args.generation_batch_size // args.num_generations} (generation_batch_size={args.generation_batch_size}"
+            f" / num_generations={args.num_generations}): training would stop before its first step. Add prompts, "
+            "or lower per_device_train_batch_size / steps_per_generation."
+        )
+    return _check_rows(rows, name, tokenizer, args, model_max_positions, is_train=False)
+
+
+def _check_rows(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool) -> list[str]:
+    """A map-style dataset's (or a stream's first rows') size, columns and prompts."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
     columns = _columns(dataset, name)
@@ -277,8 +318,9 @@ def check_dataset(dataset, name: str, tokenizer, args, model_max_positions: int 
 
 
 def _require_map_style(dataset, name: str) -> None:
-    """The one place that says which dataset types the trainer takes: map-style datasets (`datasets.Dataset`, or any
-    object with `__len__` and `__getitem__` returning dicts). Streams (`IterableDataset`) are not supported yet."""
+    """The one place that says which dataset types the trainer takes, besides streams (`datasets.IterableDataset`,
+    `_check_stream`): map-style datasets (`datasets.Dataset`, or any object with `__len__` and `__getitem__` returning
+    dicts)."""
     kind = type(dataset).__name__
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise TypeError(f"{name} is {_a(kind)} with splits {list(dataset)}; pass one split, e.g. dataset['train'].")
@@ -291,11 +333,11 @@ def _require_map_style(dataset, name: str) -> None:
         raise TypeError(f"{name} is {_a(kind)}; for a dict of columns use datasets.Dataset.from_dict(columns).")
     if kind == "DataFrame":
         raise TypeError(f"{name} is a DataFrame; convert it: datasets.Dataset.from_pandas(df, preserve_index=False).")
-    if isinstance(dataset, datasets.IterableDataset) or not hasattr(dataset, "__len__"):
+    if not hasattr(dataset, "__len__"):
         raise ValueError(
-            f"{name} is {_a(kind)}, a stream without a length; grpo_hf needs a map-style dataset (datasets.Dataset) "
-            "to keep each prompt's group together and to count steps. IterableDataset is not supported yet: load "
-            "without streaming=True, or materialise it with datasets.Dataset.from_list(list(stream))."
+            f"{name} is {_a(kind)} without a length. Pass a datasets.Dataset, or for a stream a "
+            "datasets.IterableDataset (e.g. datasets.IterableDataset.from_generator(rows)), which the trainer knows "
+            "how to keep each prompt's group together in."
         )
     if not hasattr(dataset, "__getitem__"):
         raise TypeError(f"{name} is {_a(kind)} without __getitem__; pass a datasets.Dataset.")

@@ -329,18 +329,21 @@ DATASETS = [
         train(lambda s: DatasetDict({"train": s.train_dataset})),
         raises(TypeError, r"train_dataset is a DatasetDict with splits \['train'\].*dataset\['train'\]"),
     ),
+    Case("datasets IterableDataset", train(stream), runs()),
     Case(
-        "datasets IterableDataset",
-        train(stream),
-        raises(ValueError, r"train_dataset is an IterableDataset.*not supported yet"),
+        "IterableDataset without max_steps",
+        both(train(stream), config(max_steps=-1)),
+        raises(ValueError, r"train_dataset is a stream \(IterableDataset\): it has no length.*Set max_steps"),
     ),
     Case(
-        "torch IterableDataset", train(lambda s: Stream()), raises(ValueError, r"train_dataset is a Stream, a stream")
+        "torch IterableDataset",
+        train(lambda s: Stream()),
+        raises(ValueError, r"train_dataset is a Stream without a length\. Pass a datasets\.Dataset, or for a stream"),
     ),
     Case(
         "IterableDataset with dynamic_sampling",
         both(train(stream), config(dynamic_sampling=True)),
-        raises(ValueError, r"map-style dataset"),
+        raises(ValueError, r"dynamic_sampling draws extra prompts from train_dataset by index"),
     ),
     Case(
         "no prompt column",
@@ -400,7 +403,12 @@ DATASETS = [
         evals(lambda s: Dataset.from_dict({"text": ["a"]})),
         raises(ValueError, r"eval_dataset has no 'prompt' column"),
     ),
-    Case("eval_dataset stream", evals(stream), raises(ValueError, r"eval_dataset is an IterableDataset")),
+    Case("eval_dataset stream", evals(stream), builds()),
+    Case(
+        "eval_dataset stream, bad row",
+        evals(lambda s: Dataset.from_dict({"prompt": ["a", " "]}).to_iterable_dataset()),
+        raises(ValueError, r"eval_dataset row 1: 'prompt' is empty"),
+    ),
     Case(
         "eval_dataset bad row",
         evals(lambda s: Dataset.from_dict({"prompt": ["a", " "]})),
@@ -522,10 +530,15 @@ MESSAGES = [
 ]
 
 REWARDS = [
-    Case("reward_funcs empty", rewards(), raises(ValueError, r"reward_funcs is empty")),
+    Case("reward_funcs empty", rewards(), raises(ValueError, r"No reward source provided: reward_funcs is empty")),
     Case(
-        "reward_funcs None",
+        "reward_funcs None (TRL's default)",
         attr("reward_funcs", lambda s: None),
+        raises(ValueError, r"No reward source provided"),
+    ),
+    Case(
+        "reward_funcs [None]",
+        attr("reward_funcs", lambda s: [None]),
         raises(TypeError, r"reward_funcs\[0\] is a NoneType"),
     ),
     Case("reward_funcs int", rewards(length_reward, 42), raises(TypeError, r"reward_funcs\[1\] is a int")),

@@ -372,7 +372,7 @@ def test_plot_training_curves_writes_a_png(tmp_path):
         for s in range(1, 6)
     ]
     history.append({"step": 5, "eval_reward": 0.5})
-    history.append({"step": 5, "train_runtime": 10.0})
+    history.append({"step": 5, "train_runtime": 10.0, "reward": 99.0})  # the summary row: repeats, not plotted
     path = plot_training_curves(history, tmp_path / "curves.png")  # no `kl`: beta = 0, that panel is skipped
     assert path == str(tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

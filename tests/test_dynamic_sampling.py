@@ -175,7 +175,7 @@ def test_dynamic_sampling_settings_are_checked(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), dynamic_sampling_max_rounds=-1, per_device_train_batch_size=8)
     trainer = build_trainer(str(tmp_path), 1, ["flat"] * 4)
     stream = IterableDataset.from_generator(lambda: iter([{"prompt": "p", "kind": "flat"}]))
-    with pytest.raises(ValueError, match="map-style dataset"):
+    with pytest.raises(ValueError, match="dynamic_sampling draws extra prompts from train_dataset by index"):
         tokenizer = trainer.processing_class
         type(trainer)(trainer.model, trainer.reward_funcs, trainer.args, stream, processing_class=tokenizer)
 

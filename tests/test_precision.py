@@ -42,7 +42,8 @@ def _train(tmp_path, tokenizer, dtype, steps=4, **overrides):
 
     trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
-    lost = [row["precision/lost_updates"] for row in trainer.state.log_history if "precision/lost_updates" in row]
+    steps = [row for row in trainer.state.log_history if "loss" in row]  # not the end-of-training summary
+    lost = [row["precision/lost_updates"] for row in steps if "precision/lost_updates" in row]
     return trainer, initial, lost
 
 

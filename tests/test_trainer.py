@@ -437,18 +437,20 @@ def test_conversational_prompts_and_log_completions(tmp_path, tokenizer, tiny_ll
     assert train_logs(trainer)[0]["prompts/num_truncated"] == 4
 
 
-def _run_distributed_step(tmp_path, num_processes: int, loss_type: str, accumulation: int, path: str) -> dict:
+def _run_distributed_step(
+    tmp_path, num_processes: int, loss_type: str, accumulation: int, path: str, *extra: str
+) -> dict:
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    out = tmp_path / f"step_{num_processes}_{loss_type}_{accumulation}_{path}.pt"
+    out = tmp_path / f"step_{num_processes}_{loss_type}_{accumulation}_{path}{''.join(extra)}.pt"
     script = Path(__file__).parent / "distributed" / "grpo_step.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [*command, str(script), str(out), loss_type, str(accumulation), path],
+        [*command, str(script), str(out), loss_type, str(accumulation), path, *extra],
         capture_output=True,
         text=True,
         env=env,

@@ -394,6 +394,8 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     assert aux > 0 and log["aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
     assert log["loss"] == pytest.approx((policy_loss + coef * aux).item(), rel=1e-5)
     assert abs(log["loss"] - policy_loss.item()) > 0.1
+    assert trainer.aux_loss_enabled  # TRL's attribute
+    assert trainer.state.log_history[-1]["aux_loss"] == log["aux_loss"]  # the end-of-training row (TRL reads it)
 
 
 def test_router_aux_loss_coef_defaults_and_errors(tmp_path, tokenizer):
@@ -414,6 +416,7 @@ def test_router_aux_loss_coef_defaults_and_errors(tmp_path, tokenizer):
         processing_class=tokenizer,
     )
     assert off.router_aux_loss_coef == 0.0 and off._can_share_prefix(off.model)
+    assert moe.aux_loss_enabled and not off.aux_loss_enabled
     dense = GRPOTrainer(
         build_tiny_model(tokenizer),
         id_sum_reward,
@@ -430,6 +433,31 @@ def test_router_aux_loss_coef_defaults_and_errors(tmp_path, tokenizer):
             train_dataset=dataset,
             processing_class=tokenizer,
         )
+
+
+def test_end_of_training_row_repeats_the_last_steps_metrics(tmp_path, tokenizer):
+    """TRL logs every 10 steps, so its end-of-training row holds the metrics not yet logged, and ported code reads
+    `log_history[-1]["reward"]`. With grpo_hf's logging_steps=1 nothing is left unlogged there: the row repeats the
+    last step's metrics. With metrics still unlogged (logging_steps=2, 3 steps), it holds their means, as TRL's."""
+    args = make_args(tmp_path, max_steps=3, beta=0.0)
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
+    )
+    trainer.train()
+    *_, last, summary = trainer.state.log_history
+    assert "train_runtime" in summary and "loss" in last and last["step"] == 3
+    assert {k: summary[k] for k in last if k not in ("loss", "grad_norm", "learning_rate", "epoch")} == {
+        k: v for k, v in last.items() if k not in ("loss", "grad_norm", "learning_rate", "epoch")
+    }
+    assert len(train_logs(trainer)) == 3  # counted once: the summary row has no "loss"
+
+    args = make_args(tmp_path / "every2", max_steps=3, beta=0.0, logging_steps=2)
+    every2 = GRPOTrainer(
+        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
+    )
+    every2.train()
+    *_, logged, summary = every2.state.log_history
+    assert logged["step"] == 2 and summary["num_tokens"] > logged["num_tokens"]  # step 3's own metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------

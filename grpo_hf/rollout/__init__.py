@@ -18,6 +18,7 @@ import torch
 
 from grpo_hf.rollout.engine import ENGINES, Completions, RolloutEngine, engine_class, make_engine, register_engine
 from grpo_hf.rollout.prompts import (
+    RepeatedStream,
     RepeatSampler,
     completion_mask,
     eos_token_ids_of,
@@ -38,6 +39,7 @@ from grpo_hf.rollout.sampling import (
 __all__ = [
     "ENGINES",
     "Completions",
+    "RepeatedStream",
     "RepeatSampler",
     "RolloutEngine",
     "completion_mask",

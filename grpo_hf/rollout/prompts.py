@@ -1,7 +1,7 @@
 """Prompts and groups: the sampler that keeps a prompt's G copies together, tokenisation, masks.
 
 - `RepeatSampler` orders dataset indices so every prompt's G copies are consecutive and every
-  generation batch is served to `repeat_count` training micro-steps.
+  generation batch is served to `repeat_count` training micro-steps; `RepeatedStream`, the same order for a stream.
 - `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
   and encodes each distinct prompt once (a group's G copies share one encoding).
 - `completion_mask` marks completion tokens up to and including the first EOS (DESIGN.md §5, `m`).
@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
 from grpo_hf.core import prompt_runs  # noqa: F401  (re-exported: the groups inside a batch)
 
@@ -80,6 +80,40 @@ class RepeatSampler(Sampler[int]):
     def __len__(self) -> int:
         num_batches = self.num_prompts // self.prompts_per_batch
         return num_batches * self.prompts_per_batch * self.num_generations * self.repeat_count
+
+
+class RepeatedStream(IterableDataset):
+    """`RepeatSampler`'s order for a stream (`datasets.IterableDataset`, e.g. `load_dataset(..., streaming=True)`),
+    which has no indices to sample: `prompts_per_batch` rows are read, each yielded `num_generations` times in a row,
+    and the whole batch `repeat_count` times. Prompts left over at the end of the stream (fewer than a batch) are
+    dropped, as the sampler drops them.
+
+    Shuffling is the stream's own (`dataset.shuffle(seed, buffer_size)`, a buffered shuffle: the trainer applies it
+    when `shuffle_dataset`); `set_epoch`, which Trainer calls through accelerate, reaches the stream, so every pass
+    has its own order. Every process reads the whole stream and accelerate (`dispatch_batches=False`) hands each its
+    contiguous share of each batch, as with the sampler. It must be read by a single loader worker: workers would
+    each take part of the stream and interleave their batches, splitting groups.
+    """
+
+    def __init__(self, dataset, num_generations: int, prompts_per_batch: int = 1, repeat_count: int = 1):
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeat_count = repeat_count
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        batch: list[dict] = []
+        for row in self.dataset:
+            batch.append(row)
+            if len(batch) == self.prompts_per_batch:
+                for _ in range(self.repeat_count):
+                    for prompt_row in batch:
+                        yield from (dict(prompt_row) for _ in range(self.num_generations))
+                batch = []
 
 
 def is_conversational(prompt: Any) -> bool:

@@ -1,6 +1,8 @@
 """One GRPO step on fixed rollouts, run under torchrun with 1 or 2 CPU processes (gloo).
 
-    python tests/distributed/grpo_step.py OUT.pt {grpo|dapo} {1|2 accumulation steps} {fast|padded}
+    python tests/distributed/grpo_step.py OUT.pt {grpo|dapo} {1|2 accumulation steps} {fast|padded} [stream]
+
+`stream`: the prompts come as a `datasets.IterableDataset` (`grpo_hf.streams`) instead of a `datasets.Dataset`.
 
 
 Generation is replaced by a deterministic function of the *global* row index, so every process
@@ -40,12 +42,14 @@ class FixedEngine(RolloutEngine):
         return completion_ids.to(prompt_ids.device)
 
 
-def build_trainer(out_path: str, **settings) -> GRPOTrainer:
+def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTrainer:
     """The tiny model, 4 prompts and fixed rollouts (`FixedEngine`), with one step of this layout's `settings`."""
     register_engine("fixed", FixedEngine)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=5)
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
+    if stream:
+        dataset = dataset.to_iterable_dataset()
 
     def reward(completion_ids, **kwargs):
         return [float(sum(ids) % 11) for ids in completion_ids]
@@ -69,12 +73,13 @@ def build_trainer(out_path: str, **settings) -> GRPOTrainer:
     return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
 
 
-def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
+def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: bool = False) -> None:
     # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
     # the process count comes from torchrun's environment here.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = build_trainer(
         out_path,
+        stream,
         per_device_train_batch_size=GLOBAL_BATCH // world_size // accumulation,
         gradient_accumulation_steps=accumulation,
         share_prompt_prefix=fast,  # the fast path (shared prompt, per-group backward) bypasses DDP's forward
@@ -96,4 +101,9 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fast")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fast", sys.argv[5:] == ["stream"])
+    # The result is written and the processes left together: skip interpreter teardown, where gloo's threads can
+    # still abort a process now and then ("terminate called without an active exception", exit code -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
