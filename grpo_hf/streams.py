@@ -3,7 +3,9 @@
 A stream has no length and no indices, so `RepeatSampler` cannot order it. Instead:
 
 - `rollout.prompts.RepeatedStream` reproduces the sampler's order on the stream itself (a prompt's G copies in a
-  row, each generation batch repeated for its micro-steps), after a buffered `shuffle` when `shuffle_dataset`;
+  row, each generation batch repeated for its micro-steps), after a buffered `shuffle` when `shuffle_dataset`. For
+  training it reads the stream pass after pass without end, so Trainer sees one epoch and, on resume, skips exactly
+  the batches already trained on (re-reading the stream up to them);
 - every process reads the whole stream and accelerate gives each its contiguous share of every batch. That needs
   `dispatch_batches=False` (with dispatching, process 0 would read the batches and send them as tensors, which rows of
   strings cannot be); `configure_args` sets it, and `validation` refuses an explicit `dispatch_batches=True`;

@@ -396,7 +396,7 @@ class GRPOTrainer(Trainer):
             stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
             per_generation = args.steps_per_generation * args.num_iterations
             G = args.num_generations
-            dataset = RepeatedStream(stream, G, args.generation_batch_size // G, repeat_count=per_generation)
+            dataset = RepeatedStream(stream, G, args.generation_batch_size // G, per_generation, cycle=True)
         else:
             dataset = RepeatedStream(dataset, args.num_generations_eval or args.num_generations)
         with streams.one_worker(args):

@@ -269,15 +269,16 @@ def _check_stream(dataset, name: str, tokenizer, args, model_max_positions: int 
             f"dynamic_sampling draws extra prompts from {name} by index, and a stream (IterableDataset) has none. "
             "Turn dynamic_sampling off, or load the dataset without streaming=True."
         )
-    rows = streams.first_rows(dataset)
+    prompts_per_batch = args.generation_batch_size // args.num_generations
+    rows = streams.first_rows(dataset, max(streams.STREAM_ROWS_CHECKED, prompts_per_batch if is_train else 0))
     if not rows:
         raise ValueError(f"{name} is an empty stream: it needs at least one prompt.")
-    if is_train and len(rows) < args.generation_batch_size // args.num_generations:
+    if is_train and len(rows) < prompts_per_batch:
         raise ValueError(
-            f"{name} streams {len(rows)} prompts but one generation batch takes "
-            f"{args.generation_batch_size // args.num_generations} (generation_batch_size={args.generation_batch_size}"
-            f" / num_generations={args.num_generations}): training would stop before its first step. Add prompts, "
-            "or lower per_device_train_batch_size / steps_per_generation."
+            f"{name} streams {len(rows)} prompts but one generation batch takes {prompts_per_batch} "
+            f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations}): "
+            "training could not make a step. Add prompts, or lower per_device_train_batch_size / "
+            "steps_per_generation."
         )
     return _check_rows(rows, name, tokenizer, args, model_max_positions, is_train=False)
 

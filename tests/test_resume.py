@@ -25,10 +25,13 @@ def reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-def make_trainer(output_dir, num_prompts: int = 8, **overrides) -> GRPOTrainer:
+def make_trainer(output_dir, num_prompts: int = 8, stream: bool = False, **overrides) -> GRPOTrainer:
+    """The tiny model on `num_prompts` prompts (a `datasets.IterableDataset` with `stream`), a checkpoint a step."""
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=1)
     dataset = Dataset.from_dict({"prompt": [f"Question {i}: {i} + {i} =" for i in range(num_prompts)]})
+    if stream:
+        dataset = dataset.to_iterable_dataset()
     settings = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=4,
@@ -70,6 +73,8 @@ RESUME_CASES = {
     "num_iterations=2, mid-rollout": (dict(num_iterations=2), 8, 1),
     "gradient_accumulation_steps=2": (dict(gradient_accumulation_steps=2, per_device_train_batch_size=2), 8, 1),
     "checkpoint in epoch 2": (dict(max_steps=6), 2, 3),  # 2 prompts of 4 rows: an epoch is 2 steps
+    "stream, mid-rollout": (dict(steps_per_generation=2, stream=True), 8, 1),
+    "stream, checkpoint in pass 2": (dict(max_steps=6, stream=True), 2, 3),
 }
 
 

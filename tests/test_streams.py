@@ -2,6 +2,7 @@
 `RepeatedStream` keeps the sampler's order, a run on a stream equals the run on the same rows as a `datasets.Dataset`
 (1 and 2 processes), and what a stream needs from the config is checked up front."""
 
+import itertools
 import logging
 
 import pytest
@@ -47,6 +48,22 @@ def test_repeated_stream_shuffles_with_each_epoch():
     assert all(len(set(second[k : k + 3])) == 1 for k in range(0, 36, 3))  # a group's copies stay together
 
 
+def test_a_cycling_stream_goes_from_pass_to_pass_and_fails_loudly_when_empty():
+    """Training streams cycle: pass k is read with the stream's epoch + k (its shuffle), leftovers dropped per pass,
+    without end (Trainer stops at max_steps and, on resume, skips the batches it trained on in its one epoch)."""
+    shuffled = make_dataset(5).to_iterable_dataset().shuffle(seed=0, buffer_size=5)
+    stream = RepeatedStream(shuffled, 1, 2, cycle=True)
+    stream.set_epoch(3)
+    served = list(itertools.islice(iter(stream), 12))  # 3 passes of 2 batches of 2 (the 5th prompt left over)
+    expected = []
+    for epoch in (3, 4, 5):
+        shuffled.set_epoch(epoch)
+        expected += prompts_of(shuffled)[:4]
+    assert prompts_of(served) == expected and expected[:4] != expected[4:8]
+    with pytest.raises(ValueError, match=r"The stream's pass 1 held fewer prompts than one generation batch takes"):
+        next(iter(RepeatedStream(make_dataset(1).to_iterable_dataset(), 2, 2, cycle=True)))
+
+
 def train_recording_prompts(tmp_path, tokenizer, train_dataset, **overrides):
     seen: list[list[str]] = []
 
@@ -65,7 +82,10 @@ def train_recording_prompts(tmp_path, tokenizer, train_dataset, **overrides):
 
 def test_a_run_on_a_stream_equals_the_run_on_the_dataset(tmp_path, tokenizer):
     """4 prompts, 2 per generation batch served to 2 micro-steps, 5 steps: the stream runs past its end into a second
-    and third pass, and every step sees the prompts, and makes the update, that the map-style run does."""
+    pass, and every step sees the prompts the map-style run does. Within the first pass the two runs are the same
+    run (losses, gradient norms, weights); past it they draw different samples, because the DataLoader draws a seed
+    from the global RNG each time a new pass over the dataset starts, and the stream's passes are one endless
+    Trainer epoch (`RepeatedStream(cycle=True)`)."""
     settings = dict(max_steps=5, per_device_train_batch_size=2, num_generations=2, steps_per_generation=2)
     dataset = make_dataset(4)
     mapped, mapped_prompts = train_recording_prompts(tmp_path / "map", tokenizer, dataset, **settings)
@@ -75,11 +95,16 @@ def test_a_run_on_a_stream_equals_the_run_on_the_dataset(tmp_path, tokenizer):
     assert stream_prompts == mapped_prompts and len(stream_prompts) == 3  # rollouts at steps 1, 3 and 5
     assert stream_prompts[0] == [dataset[0]["prompt"]] * 2 + [dataset[1]["prompt"]] * 2
     assert streamed.state.global_step == 5
+
+    def first_pass(trainer):
+        return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h][:4]
+
+    assert first_pass(streamed) == first_pass(mapped)
+    settings["max_steps"] = 4
+    mapped, _ = train_recording_prompts(tmp_path / "map4", tokenizer, dataset, **settings)
+    streamed, _ = train_recording_prompts(tmp_path / "stream4", tokenizer, dataset.to_iterable_dataset(), **settings)
     for (name, p), q in zip(streamed.model.named_parameters(), mapped.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
-    assert [h["loss"] for h in streamed.state.log_history if "loss" in h] == [
-        h["loss"] for h in mapped.state.log_history if "loss" in h
-    ]
 
 
 def test_a_shuffled_stream_keeps_groups_together(tmp_path, tokenizer):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,34 +86,58 @@ class RepeatSampler(Sampler[int]):
 class RepeatedStream(IterableDataset):
     """`RepeatSampler`'s order for a stream (`datasets.IterableDataset`, e.g. `load_dataset(..., streaming=True)`),
     which has no indices to sample: `prompts_per_batch` rows are read, each yielded `num_generations` times in a row,
-    and the whole batch `repeat_count` times. Prompts left over at the end of the stream (fewer than a batch) are
+    and the whole batch `repeat_count` times. Prompts left over at the end of a pass (fewer than a batch) are
     dropped, as the sampler drops them.
 
-    Shuffling is the stream's own (`dataset.shuffle(seed, buffer_size)`, a buffered shuffle: the trainer applies it
-    when `shuffle_dataset`); `set_epoch`, which Trainer calls through accelerate, reaches the stream, so every pass
-    has its own order. Every process reads the whole stream and accelerate (`dispatch_batches=False`) hands each its
-    contiguous share of each batch, as with the sampler. It must be read by a single loader worker: workers would
-    each take part of the stream and interleave their batches, splitting groups.
+    `cycle=True` (training) goes on from pass to pass without end, pass k with the stream's epoch `epoch + k`; the
+    trainer stops at `max_steps`. Trainer sees one endless epoch, so on resume it skips exactly the batches already
+    trained on (for a stream it counts them from the start of its epoch 0), whichever pass they were in.
+    `cycle=False` (evaluation) makes one pass.
+
+    Shuffling is the stream's own (`dataset.shuffle(seed, buffer_size)`, a buffered shuffle with a new order each
+    epoch: the trainer applies it when `shuffle_dataset`). Every process reads the whole stream and accelerate
+    (`dispatch_batches=False`) hands each its contiguous share of each batch, as with the sampler. It must be read
+    by a single loader worker: workers would each take part of the stream and interleave their batches, splitting
+    groups.
     """
 
-    def __init__(self, dataset, num_generations: int, prompts_per_batch: int = 1, repeat_count: int = 1):
+    def __init__(
+        self, dataset, num_generations: int, prompts_per_batch: int = 1, repeat_count: int = 1, cycle: bool = False
+    ):
         self.dataset = dataset
         self.num_generations = num_generations
         self.prompts_per_batch = prompts_per_batch
         self.repeat_count = repeat_count
+        self.cycle = cycle
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        """The stream's epoch for the next pass (Trainer calls it through accelerate)."""
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[dict]:
+        for k in itertools.count() if self.cycle else range(1):
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(self.epoch + k)
+            served = False
+            for batch in self._batches():
+                served = True
+                for _ in range(self.repeat_count):
+                    for row in batch:
+                        yield from (dict(row) for _ in range(self.num_generations))
+            if self.cycle and not served:  # another pass would not serve one either: never end silently
+                raise ValueError(
+                    f"The stream's pass {k + 1} held fewer prompts than one generation batch takes "
+                    f"({self.prompts_per_batch}), so training cannot go on. Give it more prompts, or lower "
+                    "per_device_train_batch_size / steps_per_generation."
+                )
+
+    def _batches(self) -> Iterator[list[dict]]:
         batch: list[dict] = []
         for row in self.dataset:
             batch.append(row)
             if len(batch) == self.prompts_per_batch:
-                for _ in range(self.repeat_count):
-                    for prompt_row in batch:
-                        yield from (dict(prompt_row) for _ in range(self.num_generations))
+                yield batch
                 batch = []
 
 
