@@ -27,6 +27,9 @@ import datasets
 
 logger = logging.getLogger(__name__)
 
+ONE_WORKER = {"dataloader_num_workers": 0, "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None}
+"""The loader settings for reading in the main process (the last two are invalid with no worker processes)."""
+
 STREAM_ROWS_CHECKED = 64
 """Rows read from the start of a stream to check its columns and prompts before training (`validation`)."""
 
@@ -43,7 +46,7 @@ def any_stream(train_dataset, eval_dataset) -> bool:
 
 def configure_args(args, train_dataset, eval_dataset) -> None:
     """Before `Trainer.__init__` builds the accelerator: `dispatch_batches=False` when any dataset is a stream, and a
-    single loader worker for a stream train set (`validation.check_stream` has refused `dispatch_batches=True`)."""
+    single loader worker for a stream train set (`validation._check_stream` has refused `dispatch_batches=True`)."""
     if not any_stream(train_dataset, eval_dataset):
         return
     args.accelerator_config.dispatch_batches = False
@@ -53,22 +56,23 @@ def configure_args(args, train_dataset, eval_dataset) -> None:
             f"{args.num_generations} copies stay together; dataloader_num_workers={args.dataloader_num_workers} "
             "is set to 0."
         )
-        args.dataloader_num_workers = 0
-        args.dataloader_persistent_workers = False
-        args.dataloader_prefetch_factor = None
+        _set(args, ONE_WORKER)
 
 
 @contextmanager
 def one_worker(args) -> Iterator[None]:
     """`args` read by one loader worker (no worker processes) inside the block, restored after it."""
-    names = ("dataloader_num_workers", "dataloader_persistent_workers", "dataloader_prefetch_factor")
-    saved = {name: getattr(args, name) for name in names}
-    args.dataloader_num_workers, args.dataloader_persistent_workers, args.dataloader_prefetch_factor = 0, False, None
+    saved = {name: getattr(args, name) for name in ONE_WORKER}
+    _set(args, ONE_WORKER)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(args, name, value)
+        _set(args, saved)
+
+
+def _set(args, values: Mapping) -> None:
+    for name, value in values.items():
+        setattr(args, name, value)
 
 
 def first_rows(dataset, n: int = STREAM_ROWS_CHECKED) -> list:

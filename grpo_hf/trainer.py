@@ -389,8 +389,6 @@ class GRPOTrainer(Trainer):
         if not streams.is_stream(dataset):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
         args = self.args
-        if not is_training:  # it may be new (`evaluate(eval_dataset=stream)`): its config and first rows
-            validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
         self.accelerator.dataloader_config.dispatch_batches = False
         if is_training:
             stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
@@ -398,6 +396,9 @@ class GRPOTrainer(Trainer):
             G = args.num_generations
             dataset = RepeatedStream(stream, G, args.generation_batch_size // G, per_generation, cycle=True)
         else:
+            checked = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+            if not any(dataset is known for known in checked):  # first seen by `evaluate(eval_dataset=stream)`
+                validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
             dataset = RepeatedStream(dataset, args.num_generations_eval or args.num_generations)
         with streams.one_worker(args):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)

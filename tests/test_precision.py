@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_run_args
 from datasets import Dataset
 
 from grpo_hf import GRPOConfig, GRPOTrainer
@@ -160,17 +160,7 @@ def test_fp32_weights_with_bf16_train_the_fast_path_under_autocast(tmp_path, tok
     layer.register_forward_hook(
         lambda module, inputs, output: seen.add(output.dtype) if torch.is_grad_enabled() else None
     )
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        bf16=True,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-    )
+    args = tiny_run_args(tmp_path, bf16=True)
     reward = lambda completion_ids, **kw: [float(len(ids)) for ids in completion_ids]  # noqa: E731
     trainer = GRPOTrainer(
         model, reward, args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer

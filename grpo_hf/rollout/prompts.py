@@ -12,13 +12,24 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
 from grpo_hf.core import prompt_runs  # noqa: F401  (re-exported: the groups inside a batch)
+
+T = TypeVar("T")
+
+
+def in_groups(batches: Iterable[list[T]], num_generations: int, repeat_count: int) -> Iterator[T]:
+    """The order both `RepeatSampler` and `RepeatedStream` serve: each batch of prompts `repeat_count` times, each
+    prompt `num_generations` times in a row."""
+    for batch in batches:
+        for _ in range(repeat_count):
+            for prompt in batch:
+                yield from itertools.repeat(prompt, num_generations)
 
 
 class RepeatSampler(Sampler[int]):
@@ -71,12 +82,9 @@ class RepeatSampler(Sampler[int]):
         else:
             order = list(range(self.num_prompts))
         self.epoch += 1  # without set_epoch, each iteration is the next pass
-        num_batches = self.num_prompts // self.prompts_per_batch
-        for b in range(num_batches):
-            prompts = order[b * self.prompts_per_batch : (b + 1) * self.prompts_per_batch]
-            batch = [index for index in prompts for _ in range(self.num_generations)]
-            for _ in range(self.repeat_count):
-                yield from batch
+        size = self.prompts_per_batch
+        batches = (order[b * size : (b + 1) * size] for b in range(self.num_prompts // size))
+        yield from in_groups(batches, self.num_generations, self.repeat_count)
 
     def __len__(self) -> int:
         num_batches = self.num_prompts // self.prompts_per_batch
@@ -120,11 +128,9 @@ class RepeatedStream(IterableDataset):
             if hasattr(self.dataset, "set_epoch"):
                 self.dataset.set_epoch(self.epoch + k)
             served = False
-            for batch in self._batches():
+            for row in in_groups(self._batches(), self.num_generations, self.repeat_count):
                 served = True
-                for _ in range(self.repeat_count):
-                    for row in batch:
-                        yield from (dict(row) for _ in range(self.num_generations))
+                yield dict(row)  # a copy per completion row, as a dataset's rows are
             if self.cycle and not served:  # another pass would not serve one either: never end silently
                 raise ValueError(
                     f"The stream's pass {k + 1} held fewer prompts than one generation batch takes "
