@@ -47,6 +47,7 @@ def main() -> None:
     import transformers
     from transformers import TrainerCallback
 
+    import grpo_hf.experience as experience_module
     import grpo_hf.trainer as trainer_module
     from grpo_hf.rollout import RolloutEngine
 
@@ -69,7 +70,7 @@ def main() -> None:
 
     cls = trainer_module.GRPOTrainer
     RolloutEngine.generate = timed("generate", RolloutEngine.generate)
-    trainer_module.compute_rewards = timed("rewards", trainer_module.compute_rewards)
+    experience_module.compute_rewards = timed("rewards", experience_module.compute_rewards)
     cls._logps_in_chunks = timed("no-grad log-probs", cls._logps_in_chunks)
     training_step = cls.training_step
     inner = ("generate", "rewards", "no-grad log-probs")

@@ -14,6 +14,8 @@
   repeat the uninterrupted one exactly, wherever the checkpoint falls.
 - **Stopping cleanly.** `StopRequest`: on SIGTERM or Ctrl-C the trainer finishes the step, saves and
   stops, so a preempted run loses nothing even between `save_steps`.
+
+`AtomicCheckpoints` is the `Trainer` mixin that puts these together; `GRPOTrainer` supplies its run state.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 from typing import Any
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +172,97 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class AtomicCheckpoints:
+    """A `transformers.Trainer` mixin (list it before `Trainer`): whole-or-absent checkpoints with a run state per
+    process, resume from the newest complete checkpoint, and a clean stop on SIGTERM / Ctrl-C.
+
+    The subclass returns its run state from `_run_state()` and restores it in `_load_run_state(path, state)`
+    (`state` None: the checkpoint has none for this number of processes); it stops at a step end when
+    `_stop_request.received` is set (`callbacks.AfterOptimizerStep`).
+    """
+
+    _staging_dir: str | None = None  # set while a checkpoint is written: Trainer's output_dir for it
+    _stop_request: StopRequest | None = None  # set during `train`
+
+    def _run_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_run_state(self, path: str, state: dict[str, Any] | None) -> None:
+        pass
+
+    def _saved_run_state(self, path: str) -> dict[str, Any] | None:
+        """This process's run state in checkpoint `path`; None, with a warning, when it has none written by this
+        number of processes (the buffered rollout is cut per process)."""
+        accelerator = self.accelerator
+        state = load_run_state(path, accelerator.process_index, accelerator.device)
+        if state is not None and state.get("num_processes") == accelerator.num_processes:
+            return state
+        logger.warning(
+            f"{path} has no grpo_hf run state ({RUN_STATE.format(rank=accelerator.process_index)}): it was not "
+            "written by this version of grpo_hf, or by another number of processes. Training resumes from its "
+            "weights with a fresh rollout, so it does not repeat the original run exactly."
+        )
+        return None
+
+    def _run_state_to_save(self) -> dict[str, Any]:
+        return {"num_processes": self.accelerator.num_processes, **self._run_state()}
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`. `output_dir` is checked for writing again; `resume_from_checkpoint=True` takes the newest
+        *complete* checkpoint; the run state is restored with Trainer's, so the resumed run repeats the unbroken one
+        exactly."""
+        if self.args.should_save:  # checked at construction too; it may have changed since
+            check_writable(self.args.output_dir)
+        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if resume is not None:
+            self._load_run_state(resume, self._saved_run_state(resume))
+        with StopRequest() as self._stop_request:
+            output = super().train(
+                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        if self._stop_request.received:
+            logger.warning(
+                f"Training stopped by {self._stop_request.received} after step {self.state.global_step}, checkpoint "
+                "saved: resume with trainer.train(resume_from_checkpoint=True)."
+            )
+        return output
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _checkpoint_path(self, trial) -> str:
+        return os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, plus this process's run state, written under `output_dir/.saving/` and renamed
+        into place once every process has written its part: a `checkpoint-N` directory is always complete."""
+        accelerator, should_save = self.accelerator, self.args.should_save
+        if self.args.push_to_hub:  # the Hub upload reads the directory Trainer wrote: keep Trainer's layout
+            super()._save_checkpoint(model, trial)
+            save_run_state(self._checkpoint_path(trial), accelerator.process_index, self._run_state_to_save())
+            return
+        final = self._checkpoint_path(trial)
+        run_dir, name = os.path.split(final)
+        staging = staging_run_dir(run_dir)
+        staged = os.path.join(staging, name)
+        if should_save and os.path.isdir(staged):  # left by a run killed while saving
+            shutil.rmtree(staged)
+        accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        os.makedirs(staged, exist_ok=True)
+        save_run_state(staged, accelerator.process_index, self._run_state_to_save())
+        accelerator.wait_for_everyone()
+        if should_save:
+            best = self.state.best_model_checkpoint
+            if best is not None and best.startswith(staging + os.sep):  # Trainer recorded the staged path
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+            publish(staged, final)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        accelerator.wait_for_everyone()

@@ -551,6 +551,24 @@ class GRPOConfig(TrainingArguments):
         `trust_remote_code` from this config unless they set it (TRL)."""
         return {"trust_remote_code": self.trust_remote_code, **as_dict(self.model_init_kwargs, "model_init_kwargs")}
 
+    def generation_config_for(self, pad_token_id: int, eos_token_ids: list[int]):
+        """The rollouts' `GenerationConfig`: this config's sampling settings, then `generation_kwargs` over them."""
+        from transformers import GenerationConfig
+
+        settings = {
+            "max_new_tokens": self.max_completion_length,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "pad_token_id": pad_token_id,
+            "eos_token_id": eos_token_ids,
+            "use_cache": True,
+        }
+        return GenerationConfig(**{**settings, **as_dict(self.generation_kwargs, "generation_kwargs")})
+
     def loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `core.grpo_loss` this config sets (TRL's names): numbers, not the config."""
         return {name: getattr(self, name) for name in _LOSS_KWARGS}

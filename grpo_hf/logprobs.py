@@ -69,6 +69,35 @@ def supports_shared_prefix(model: nn.Module) -> bool:
         return False
 
 
+def shared_prefix_blocker(
+    model: nn.Module, module: nn.Module, *, share_prompt_prefix: bool, router_aux_loss_coef: float, sharded: bool
+) -> str | None:
+    """Why `shared_prefix_logps` does not apply to `model` (as the trainer holds it; `module`: unwrapped), or None
+    when it does: the option is on, no MoE load-balancing loss is asked for, the weights are not managed by FSDP or
+    DeepSpeed (`sharded`), the model is the bare module or wrapped by DDP only (whose forward the fast path
+    bypasses: the trainer then averages the gradients itself), it is not gradient-checkpointed (checkpointed layers
+    drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
+    if not share_prompt_prefix:
+        return "share_prompt_prefix=False"
+    if router_aux_loss_coef != 0.0:
+        return (
+            f"router_aux_loss_coef={router_aux_loss_coef}: the MoE load-balancing loss needs the router "
+            "logits of every row's prompt, which the shared-prefix forward computes once per group"
+        )
+    if sharded:
+        return (
+            "FSDP and DeepSpeed ZeRO-3 shard the weights, which only the wrapper's own forward gathers; under "
+            "ZeRO-1/2 the engine reduces and partitions the gradients, untested with the bare module's forward"
+        )
+    if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
+        return f"the model is wrapped by {type(model).__name__}"
+    if module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.modules()):
+        return "gradient checkpointing drops the prompt's cached keys/values"
+    if not supports_shared_prefix(module):
+        return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
+    return None
+
+
 def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch.Tensor]:
     """Split rows with these completion lengths [n] into at most two buckets, to cut padding.
 

@@ -101,3 +101,10 @@ def check_same_dataset(dataset, accelerator, name: str = "train_dataset") -> Non
             "must load the same dataset: accelerate hands each process its share of each batch. Do not filter, "
             "shuffle or split it per process (e.g. by rank) before passing it to the trainer."
         )
+
+
+def sum_over_processes(accelerator, value: int) -> int:
+    """`value` summed over all processes (every process must call it), or `value` itself with one process."""
+    if accelerator.num_processes == 1:
+        return value
+    return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), "sum").item())

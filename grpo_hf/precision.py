@@ -216,6 +216,21 @@ class PrecisionGuard:
             optimizer.register_step_pre_hook(self._before)
             optimizer.register_step_post_hook(self._after)
 
+    @classmethod
+    def from_config(cls, optimizer: torch.optim.Optimizer, args, *, managed: bool, record) -> PrecisionGuard:
+        """The guard a `GRPOConfig` asks for; `managed`: DeepSpeed or fp16 loss scaling handles precision itself."""
+        optim = str(getattr(args.optim, "value", args.optim))
+        return cls(
+            optimizer,
+            master_weights=args.fp32_master_weights and not managed,
+            learning_rate=args.learning_rate,
+            adam_like="adam" in optim or "lion" in optim,
+            check_every=args.lost_update_check_steps,
+            threshold=args.lost_update_threshold,
+            action=args.on_lost_updates,
+            record=record,
+        )
+
     def describe(self) -> str:
         where = (
             f"fp32 master weights for {len(self.masters)} bf16/fp16 tensors" if self.masters else "no master weights"

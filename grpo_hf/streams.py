@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 import datasets
 
+from grpo_hf.rollout.prompts import RepeatedStream
+
 logger = logging.getLogger(__name__)
 
 ONE_WORKER = {"dataloader_num_workers": 0, "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None}
@@ -83,3 +85,15 @@ def first_rows(dataset, n: int = STREAM_ROWS_CHECKED) -> list:
         if len(rows) == n:
             break
     return rows
+
+
+def in_sampler_order(stream, args, is_training: bool) -> RepeatedStream:
+    """`stream` in the order `RepeatSampler` gives a dataset: for training, after a buffered shuffle when
+    `shuffle_dataset`, each prompt `num_generations` times in a row, each generation batch once per micro-step it
+    serves, pass after pass without end; for evaluation, each prompt `num_generations_eval` times."""
+    if not is_training:
+        return RepeatedStream(stream, args.num_generations_eval or args.num_generations)
+    if args.shuffle_dataset:
+        stream = stream.shuffle(seed=args.seed)
+    G, per_generation = args.num_generations, args.steps_per_generation * args.num_iterations
+    return RepeatedStream(stream, G, args.generation_batch_size // G, per_generation, cycle=True)

@@ -10,71 +10,46 @@ One optimizer step (DESIGN.md §3)::
       -> compute_loss (per slice)    policy logps -> core.grpo_loss
       -> Trainer                     backward, clip, optimizer step, log
 
-The trainer only wires pieces together: the maths lives in `core`, generation in `rollout`,
-log-probs in `logprobs`, scoring in `rewards`, fp32 master weights in `precision`.
-The loss is the one in DESIGN.md §5 exactly; the one place where the
-trainer touches it is the gradient-accumulation / data-parallel rescaling of `dapo` (see
-`compute_loss`).
+The trainer wires pieces together; each lives in its own module:
+
+- `experience`: the rollout half of a step: generate (`rollout` engines), score (`rewards`), advantages
+  (`core`), dynamic sampling (`rollout.dynamic`), old/ref log-probs, micro-batch slices;
+- `logprobs`: model -> completion log-probs (shared prompt prefix, length buckets, per-group backward);
+- `core`: the maths; `precision`: fp32 master weights and the lost-update guard; `guards`: why a value is not
+  finite; `metrics`: what a log row averages; `callbacks`: what happens around the optimizer step;
+  `checkpoint`: whole-or-absent checkpoints and the run state that makes a resume exact.
+
+The loss is the one in DESIGN.md §5 exactly; the one place where the trainer touches it is the
+gradient-accumulation / data-parallel rescaling of `dapo` (see `_loss`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
-from grpo_hf.completion_log import completion_rows, write_completions
+from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
+from grpo_hf.checkpoint import AtomicCheckpoints
+from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import (
-    LOSS_VARIANTS,
-    EntropyControl,
-    _off_policy_mask,
-    check_finite_rewards,
-    combine_rewards,
-    decoupled_advantages,
-    entropy_bonus,
-    group_advantages,
-    grpo_loss,
-    high_entropy_mask,
-    mix_parameters_,
-    reward_metrics,
-)
+from grpo_hf.core import LOSS_VARIANTS, EntropyControl, _off_policy_mask, entropy_bonus, grpo_loss, high_entropy_mask
+from grpo_hf.experience import ExperienceMaker
 from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
-from grpo_hf.logprobs import (
-    backward_per_group,
-    completion_logps,
-    logps_in_chunks,
-    supports_shared_prefix,
-)
+from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
+from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.parallel import average_gradients, check_same_dataset, stop_together
+from grpo_hf.parallel import average_gradients, check_same_dataset, sum_over_processes
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
-from grpo_hf.rewards import compute_rewards, reward_func_name
-from grpo_hf.rewards.calling import RewardLogs
-from grpo_hf.rollout import (
-    RepeatedStream,
-    RepeatSampler,
-    RolloutEngine,
-    eos_token_ids_of,
-    is_conversational,
-    make_engine,
-    split_into_slices,
-    tokenize_prompts,
-)
-from grpo_hf.rollout.custom import pad_to_multiple, rollout_from_func
-from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
+from grpo_hf.rewards import reward_func_name
+from grpo_hf.rollout import RepeatSampler, RolloutEngine, eos_token_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -91,66 +66,7 @@ def _config_or_default(args: GRPOConfig | None, model) -> GRPOConfig:
     return args
 
 
-class _AfterOptimizerStep(TrainerCallback):
-    """Tells the rollout engine that the weights changed (engines that keep a copy or a graph refresh it)."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if trainer._skip_update:  # a non-finite value this step, with on_nonfinite="skip_step": no update at all
-            for param in trainer.model.parameters():
-                param.grad = None  # optimizers leave parameters without a gradient (and their state) untouched
-            trainer._skip_update = False
-            trainer._skipped_steps += 1
-            trainer._metrics["train"]["nonfinite/skipped_steps"].append(float(trainer._skipped_steps))
-
-    def on_step_end(self, args, state, control, **kwargs):
-        request = self.trainer._stop_request
-        if request is not None:
-            stop = request.received is not None
-            if self.trainer.accelerator.num_processes > 1:  # one process signalled: all stop at this same step
-                stop = self.trainer._sum_processes(int(stop)) > 0
-            if stop:
-                control.should_save = args.save_strategy != "no"
-                control.should_training_stop = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        blocker = self.trainer._shared_prefix_blocker(self.trainer.model_wrapped)
-        logger.info(
-            "log-prob path: shared prompt prefix"
-            + (", one group's backward at a time" if args.backward_per_group else "")
-            if blocker is None
-            else f"log-prob path: one padded forward over prompt + completion rows ({blocker})"
-        )
-        if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
-            self.trainer.precision_guard.steps = state.global_step
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer.rollout is not None:
-            self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
-
-
-class _SyncReference(TrainerCallback):
-    """TR-DPO (`sync_ref_model`): after every `ref_model_sync_steps`-th optimizer step, the reference model becomes
-    alpha x policy + (1 - alpha) x reference (`core.mix_parameters_`), parameter by parameter, as TRL does it."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        if trainer.ref_model is None:  # LoRA: the reference is the base model with the adapters off
-            raise NotImplementedError(
-                "sync_ref_model=True with a PEFT model: the reference is the policy with its adapters disabled, not "
-                "a separate model, so there is nothing to synchronize (TRL does not support it either). Use "
-                "sync_ref_model=False, or full fine-tuning."
-            )
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer._sync_reference()
-
-
-class GRPOTrainer(Trainer):
+class GRPOTrainer(AtomicCheckpoints, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
     Args:
@@ -234,7 +150,7 @@ class GRPOTrainer(Trainer):
         self.ref_model = self._place_models(ref_model)
 
         self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), processing_class)
-        self.generation_config = self._build_generation_config(args, processing_class, self.eos_token_ids)
+        self.generation_config = args.generation_config_for(processing_class.pad_token_id, self.eos_token_ids)
         self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
 
         self._init_state(args, rollout_func)
@@ -246,30 +162,23 @@ class GRPOTrainer(Trainer):
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         if args.sync_ref_model:
-            self.add_callback(_SyncReference(self))
+            self.add_callback(SyncReference(self))
         # Old log-probs differ from the current policy's only if an optimizer step happens between
         # generation and the last use of the batch: i.e. unless all steps_per_generation x
         # num_iterations micro-steps of one rollout fall inside one accumulation window.
         uses_per_rollout = args.steps_per_generation * args.num_iterations
         self._needs_old_logps = args.gradient_accumulation_steps % uses_per_rollout != 0
         self._micro_step = 0
-        self._buffer: list[dict[str, Any]] = []
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._completion_rows: list[dict[str, Any]] = []
-        self._last_train_metrics: dict[str, float] = {}  # the last logged train means, for the end-of-training row
-        self._num_tokens = 0
-        self.num_generate_calls = 0  # how many rollouts were generated (tests count reuse with it)
-        self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling's prompts
-        self._staging_dir: str | None = None  # set while a checkpoint is written (`_save_checkpoint`)
+        self._buffer: list[dict[str, Any]] = []  # the micro-batch slices of the current rollout
+        self._metrics = Metrics(self.accelerator)
+        self.experience = ExperienceMaker(self)  # rollouts: generate, score, advantages, slices
         self._skip_update = False  # a non-finite value was met in this optimizer step (on_nonfinite="skip_step")
         self._skipped_steps = 0
-        self._stop_request: checkpoint.StopRequest | None = None  # SIGTERM / Ctrl-C handling during `train`
         self._pre_clip_norms: list[tuple[str, torch.Tensor]] | None = None  # per-tensor gradient norms, pre-clip
-        self.rollout: RolloutEngine | None = None  # chosen at the first rollout (`_rollout_engine`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
         self._entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient, adaptive or not
-        self.add_callback(_AfterOptimizerStep(self))
+        self.add_callback(AfterOptimizerStep(self))
 
     def _place_models(self, ref_model):
         """Reward models to the device; the reference model prepared like the policy (DeepSpeed / FSDP / device
@@ -303,57 +212,14 @@ class GRPOTrainer(Trainer):
         """TRL's attribute: one entry per reward function, the tokenizer of each reward model, None for the others."""
         return reward_processing_classes_of(self.reward_funcs)
 
-    def _sync_reference(self) -> None:
-        """TR-DPO (`sync_ref_model`): reference <- alpha x policy + (1 - alpha) x reference, in place. Under
-        DeepSpeed ZeRO-3 the shards are gathered and process 0 mixes them (as TRL does)."""
-        policy = self.accelerator.unwrap_model(self.model)
-        reference = self.accelerator.unwrap_model(self.ref_model)
-        targets, sources = list(reference.parameters()), list(policy.parameters())
-        alpha = self.args.ref_model_mixup_alpha
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(targets + sources, modifier_rank=0):
-                if self.accelerator.is_main_process:
-                    mix_parameters_(targets, sources, alpha)
-        else:
-            mix_parameters_(targets, sources, alpha)
-
-    def _build_generation_config(self, args: GRPOConfig, processing_class, eos_token_ids) -> GenerationConfig:
-        """The sampling settings of the config, then `generation_kwargs` over them."""
-        generation_kwargs = {
-            "max_new_tokens": args.max_completion_length,
-            "do_sample": True,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty,
-            "pad_token_id": processing_class.pad_token_id,
-            "eos_token_id": eos_token_ids,
-            "use_cache": True,
-        }
-        generation_kwargs.update(as_dict(args.generation_kwargs, "generation_kwargs"))
-        return GenerationConfig(**generation_kwargs)
-
     def create_optimizer(self, model=None):
         """Trainer's optimizer, with fp32 master weights for bf16/fp16 parameters and the lost-update guard
         (`precision.PrecisionGuard`; DeepSpeed and fp16 loss scaling manage precision themselves)."""
         optimizer = super().create_optimizer(model)
         if self.precision_guard is None:
-            args = self.args
             managed = self.is_deepspeed_enabled or self.accelerator.scaler is not None
-            optim = str(getattr(args.optim, "value", args.optim))
-            self.precision_guard = PrecisionGuard(
-                optimizer,
-                master_weights=args.fp32_master_weights and not managed,
-                learning_rate=args.learning_rate,
-                adam_like="adam" in optim or "lion" in optim,
-                check_every=args.lost_update_check_steps,
-                threshold=args.lost_update_threshold,
-                action=args.on_lost_updates,
-                record=lambda fraction: self._metrics["train"]["precision/lost_updates"].append(fraction),
-            )
+            record = lambda fraction: self._metrics["train"]["precision/lost_updates"].append(fraction)  # noqa: E731
+            self.precision_guard = PrecisionGuard.from_config(optimizer, self.args, managed=managed, record=record)
             logger.info(self.precision_guard.describe())
         return optimizer
 
@@ -390,18 +256,12 @@ class GRPOTrainer(Trainer):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
         args = self.args
         self.accelerator.dataloader_config.dispatch_batches = False
-        if is_training:
-            stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
-            per_generation = args.steps_per_generation * args.num_iterations
-            G = args.num_generations
-            dataset = RepeatedStream(stream, G, args.generation_batch_size // G, per_generation, cycle=True)
-        else:
-            checked = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-            if not any(dataset is known for known in checked):  # first seen by `evaluate(eval_dataset=stream)`
-                validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
-            dataset = RepeatedStream(dataset, args.num_generations_eval or args.num_generations)
+        checked = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if not is_training and not any(dataset is known for known in checked):  # first seen by `evaluate(stream)`
+            validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
         with streams.one_worker(args):
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
+            ordered = streams.in_sampler_order(dataset, args, is_training)
+            return super()._get_dataloader(ordered, description, batch_size, sampler_fn, is_training, **kwargs)
 
     def get_train_dataloader(self):
         # Each dataloader batch is this process's share of a whole generation batch; the sampler
@@ -414,276 +274,16 @@ class GRPOTrainer(Trainer):
             is_training=True,
         )
 
-    # ---- rollouts --------------------------------------------------------------------------------------------
-    def _generate_and_score(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
-        """Generate completions for this process's rows, score them, and compute advantages.
+    # ---- rollouts (`grpo_hf.experience`) and log-probabilities -----------------------------------------------
+    @property
+    def rollout(self) -> RolloutEngine | None:
+        """The rollout engine (`args.rollout_engine`), chosen at the first rollout."""
+        return self.experience.engine
 
-        Returns tensors for this process's rows: prompt_ids/prompt_mask [B, P],
-        completion_ids/completion_mask [B, T], advantages [B] (whenever the batch holds whole groups).
-        With `dynamic_sampling`, the rows are those of the groups with signal (`_keep_groups_with_signal`).
-        """
-        args = self.args
-        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
-        rollout, kept = self._rollout_round(inputs, mode, G), None
-        if mode == "train" and args.dynamic_sampling:
-            rollout, kept = self._keep_groups_with_signal(rollout, G)
-        batch = {key: rollout[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        B, total = len(rollout["prompts"]), rollout["total"]  # total: [N], the whole generation batch
-        start = self.accelerator.process_index * B
-        if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
-            if kept is None:
-                advantages = self._advantages(total, rollout["all_rewards"], G)  # [N]
-            else:  # the group statistics (and a "batch" std) of the kept groups only
-                advantages = torch.zeros_like(total)
-                if bool(kept.any()):
-                    advantages[kept] = self._advantages(total[kept], rollout["all_rewards"][kept], G)
-            batch["advantages"] = advantages[start : start + B]  # [B]
-            if mode == "train" and self._nonfinite("advantages", advantages, rollout, G):
-                batch["nonfinite"] = True  # every optimizer step this rollout feeds is skipped
-        if mode != "train":
-            return batch
-        if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
-            batch["completion_mask"] = batch["completion_mask"] * kept[start : start + B].unsqueeze(1).long()
-        tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-        self._num_tokens += self._sum_processes(tokens)
-        self._metrics["train"]["num_tokens"].append(float(self._num_tokens))
-        if args.mask_truncated_completions:
-            batch["completion_mask"] = batch["completion_mask"] * (~rollout["is_truncated"]).unsqueeze(1).long()
-        if args.log_completions:
-            rows = completion_rows(
-                self.state.global_step,
-                rollout["prompts"],
-                rollout["texts"],
-                self.reward_func_names,
-                rollout["rewards"],
-                batch["advantages"],
-                rollout["extra"],
-            )
-            self._completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
-        return batch
-
-    def _rollout_round(self, inputs: list[dict[str, Any]], mode: str, G: int) -> dict[str, Any]:
-        """Tokenize, generate and score this process's rows; record the round's metrics.
-
-        Returns this process's prompt/completion tensors [B, ...], `is_truncated` [B], `rewards` [B, R], the
-        `prompts`, completion `texts` and `extra` (per row, the columns reward functions logged with `log_extra`),
-        and of the whole generation batch the rewards `all_rewards` [N, R] and their combination `total` [N].
-        """
-        device = self.accelerator.device
-        prompts = [row["prompt"] for row in inputs]
-        columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
-        sample, is_prompt_truncated = self._sample(prompts, columns)  # [B, ...]; may add columns (rollout_func)
-        completion_ids, is_truncated = sample["completion_ids"], sample["is_truncated"]  # [B, T], [B]
-
-        lengths = sample["completion_mask"].sum(dim=1)  # [B]
-        failure = None
-        try:
-            rewards, texts, errors, logs = self._score(prompts, columns, completion_ids, lengths)  # [B, R]
-        except Exception as error:  # reported by every process (`stop_together`), not only by this one
-            failure = error
-        stop_together(failure, self.accelerator, "computing rewards")
-        # Whole groups may straddle processes: gather, normalise over the full batch.
-        all_rewards = self.accelerator.gather(rewards)  # [N, R]
-        total = combine_rewards(all_rewards, self.reward_weights.to(device))  # [N]
-
-        metrics = self._metrics[mode]
-        self._record_rollout_metrics(metrics, all_rewards, total, errors, G)
-        self._record_logged_metrics(metrics, logs.metrics)
-        float_lengths = self.accelerator.gather(lengths).float()  # [N]
-        metrics["completions/mean_length"].append(float_lengths.mean().item())
-        metrics["completions/min_length"].append(float_lengths.min().item())
-        metrics["completions/max_length"].append(float_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(self.accelerator.gather(is_truncated).float().mean().item())
-        metrics["prompts/num_truncated"].append(float(self._sum_processes(int(is_prompt_truncated.sum()))))
-        extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
-        return {
-            **sample,
-            "rewards": rewards,
-            "prompts": prompts,
-            "texts": texts,
-            "extra": extra,
-            "all_rewards": all_rewards,
-            "total": total,
-        }
-
-    def _sample(self, prompts: list, columns: dict[str, list]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """This process's rollout tensors, `prompt_ids`/`prompt_mask` [B, P], `completion_ids`/`completion_mask`
-        [B, T] and `is_truncated` [B], padded to `pad_to_multiple_of`; and which prompts were truncated [B]. From the
-        rollout engine, or from `rollout_func` (TRL's contract, `rollout.custom`): its extra fields join `columns`."""
-        args, device, pad = self.args, self.accelerator.device, self.processing_class.pad_token_id
-        if self.rollout_func is not None:
-            sample, extra = rollout_from_func(
-                self.rollout_func, prompts, self, pad_token_id=pad, eos_token_ids=self.eos_token_ids, device=device
-            )
-            columns.update(extra)
-            is_prompt_truncated = torch.zeros(len(prompts), dtype=torch.bool)
-        else:
-            prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
-                self.processing_class, prompts, args.max_prompt_length, self.chat_template_kwargs
-            )
-            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-            with self._model_for_generation() as unwrapped:
-                completion_ids, completion_mask, is_truncated = self._rollout_engine(unwrapped).generate(
-                    unwrapped, prompt_ids, prompt_mask
-                )  # [B, T], [B, T], [B]
-            sample = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "completion_ids": completion_ids,
-                "completion_mask": completion_mask,
-                "is_truncated": is_truncated,
-            }
-        self.num_generate_calls += 1
-        return pad_to_multiple(sample, self._pad_multiple(), pad), is_prompt_truncated
-
-    def _pad_multiple(self) -> int | None:
-        """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""
-        value = self.args.pad_to_multiple_of
-        if value == "auto":
-            return 128 if self.accelerator.device.type == "neuron" else None
-        return value
-
-    def _advantages(self, total: torch.Tensor, all_rewards: torch.Tensor, G: int) -> torch.Tensor:
-        """Advantages [N] of a generation batch from its combined rewards `total` [N] ("sum_then_normalize":
-        `core.group_advantages` with `scale_rewards`) or from each function's rewards `all_rewards` [N, R]
-        ("normalize_then_sum", GDPO: `core.decoupled_advantages`), per `multi_objective_aggregation`."""
-        if self.args.multi_objective_aggregation == "normalize_then_sum":
-            return decoupled_advantages(all_rewards, G, self.reward_weights.to(all_rewards.device))
-        return group_advantages(total, G, self.args.scale_rewards)
-
-    def _keep_groups_with_signal(self, first: dict[str, Any], G: int) -> tuple[dict[str, Any], torch.Tensor]:
-        """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and
-        generate for fresh prompts, at most `dynamic_sampling_max_rounds` more rounds, until the batch is full.
-
-        Returns this process's share of the new batch (as `_rollout_round`), and `kept` [N] (bool), False on the
-        rows of dropped groups that fill the batch when the rounds ran out.
-        """
-        B, pad = len(first["prompts"]), self.processing_class.pad_token_id
-        pool = GroupPool(num_groups=first["total"].numel() // G, num_generations=G)
-        rollout, rounds, fresh = first, 0, None
-        while True:
-            local = {key: value for key, value in rollout.items() if key not in ("total", "all_rewards")}  # global
-            pool.add({**gather_rows(local, self.accelerator, pad), "total": rollout["total"]})
-            if pool.full or rounds == self.args.dynamic_sampling_max_rounds:
-                break
-            if fresh is None:
-                if self._refill_dataset is None:  # the rows as the dataloader serves them
-                    self._refill_dataset = self._remove_unused_columns(self.train_dataset, description="training")
-                fresh = FreshPrompts(self._refill_dataset, self.args.seed, self.state.global_step)
-            rounds += 1
-            rollout = self._rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), "train", G)
-        rows, kept = pool.batch(pad)
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/dropped_groups"].append(float(pool.num_dropped))
-        metrics["dynamic_sampling/extra_rounds"].append(float(rounds))
-        unfilled = pool.num_groups - min(pool.num_kept, pool.num_groups)
-        metrics["dynamic_sampling/unfilled_groups"].append(float(unfilled))
-        if not pool.full:
-            logger.warning(
-                f"Dynamic sampling: {pool.num_kept} of {pool.num_groups} groups have rewards that differ after "
-                f"{rounds} extra rounds (dynamic_sampling_max_rounds); this step trains on those only. Raise "
-                "dynamic_sampling_max_rounds, or check that the rewards can tell completions apart."
-            )
-        start = self.accelerator.process_index * B
-        local = take_rows(rows, torch.arange(start, start + B))
-        return {**local, "total": rows["total"], "all_rewards": rows["rewards"]}, kept.to(rows["total"].device)
-
-    def _fresh_inputs(self, fresh: FreshPrompts, seen: set[str], B: int, G: int) -> list[dict[str, Any]]:
-        """This process's rows of a generation batch of fresh prompts, G copies of each."""
-        rows = [row for row in fresh.take(B * self.accelerator.num_processes // G, seen) for _ in range(G)]
-        start = self.accelerator.process_index * B
-        return rows[start : start + B]
-
-    def _score(self, prompts, columns, completion_ids, lengths):
-        """Rewards [B, R] (NaN = None) of each completion, its text, the error counts of skipped rewards, and what the
-        reward functions logged through `log_extra` / `log_metric` (`rewards.calling.RewardLogs`).
-
-        Reward functions see the text (and ids) of each completion up to and including its EOS; with
-        conversational prompts the completion is one assistant message.
-        """
-        args = self.args
-        completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
-        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True)
-        completions = texts
-        if is_conversational(prompts[0]):
-            completions = [[{"role": "assistant", "content": t}] for t in texts]
-        reward_rows, errors = compute_rewards(
-            self.reward_funcs,
-            prompts,
-            completions,
-            completion_id_lists,
-            columns=columns,
-            trainer_state=self.state,
-            timeout=args.reward_timeout,
-            error_policy=args.reward_error_policy,
-            logs=(logs := RewardLogs(len(completions))),
-        )
-        device = self.accelerator.device
-        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
-        check_finite_rewards(rewards, self.reward_func_names)
-        no_reward = torch.isnan(rewards).all(dim=1)  # [B]
-        if bool(no_reward.any()):  # TRL's warning, about the first such completion
-            row = int(no_reward.nonzero()[0])
-            kw = {"prompt": prompts[row], "completion": completions[row], **{k: c[row] for k, c in columns.items()}}
-            logger.warning(
-                f"All reward functions returned None for the following kwargs: {kw}. Please ensure that at least "
-                "one reward function returns a valid reward (a completion without any reward gets advantage 0)."
-            )
-        return rewards, texts, errors, logs
-
-    def _record_logged_metrics(self, metrics, logged: dict[str, list[float]]) -> None:
-        """The values reward functions passed to `log_metric` this round: one mean per metric name over every value
-        of every process (TRL), recorded under that name; `log` then averages these means over the logging steps."""
-        names = sorted(logged)
-        if self.accelerator.num_processes > 1:  # every process takes part in the reduction of every name
-            names = sorted({name for part in gather_object([names]) for name in part})
-        if not names:
-            return
-        stats = [[sum(logged.get(name, [])), len(logged.get(name, []))] for name in names]
-        stats = torch.tensor(stats, dtype=torch.float64, device=self.accelerator.device)  # [M, 2]: sum, count
-        if self.accelerator.num_processes > 1:
-            stats = self.accelerator.reduce(stats, "sum")
-        for name, (total, count) in zip(names, stats.tolist(), strict=True):
-            metrics[name].append(total / count)
-
-    def _record_rollout_metrics(self, metrics, all_rewards, total, errors, G: int) -> None:
-        """Reward metrics of a whole generation batch: all_rewards [N, R], their weighted sum `total` [N]."""
-        for key, value in reward_metrics(all_rewards, total, self.reward_func_names, G).items():
-            metrics[key].append(value)
-        if self.args.reward_error_policy == "skip":
-            for name in self.reward_func_names:
-                metrics[f"rewards/{name}/errors"].append(float(self._sum_processes(errors.get(name, 0))))
-
-    def _rollout_engine(self, model: nn.Module) -> RolloutEngine:
-        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
-        if self.rollout is None:
-            sharded = self.is_fsdp_enabled or (
-                self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-            )
-            self.rollout, why = make_engine(
-                self.args.rollout_engine, model, self.generation_config, self.eos_token_ids, sharded=sharded
-            )
-            logger.info(why)
-        return self.rollout
-
-    @contextlib.contextmanager
-    def _model_for_generation(self):
-        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper).
-
-        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
-        """
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            from trl.models.utils import unwrap_model_for_generation
-
-            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
-                yield unwrapped
-        else:
-            yield self.accelerator.unwrap_model(self.model_wrapped)
-
-    def _sum_processes(self, value: int) -> int:
-        if self.accelerator.num_processes == 1:
-            return value
-        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "sum").item())
+    @property
+    def num_generate_calls(self) -> int:
+        """How many rollout rounds were generated (evaluation and dynamic sampling's extra rounds included)."""
+        return self.experience.num_generate_calls
 
     def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """The reference model's log-probs [B, T] (None when beta = 0); under LoRA, the model with adapters off."""
@@ -694,29 +294,6 @@ class GRPOTrainer(Trainer):
         with self.accelerator.unwrap_model(self.model).disable_adapter():
             return self._logps_in_chunks(self.model, batch)
 
-    def _prepare_rollout(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One generation batch -> scored, with old/ref log-probs -> micro-batch slices."""
-        batch = self._generate_and_score(inputs, "train")
-        with torch.no_grad():
-            batch["old_logps"] = self._logps_in_chunks(self.model, batch) if self._needs_old_logps else None
-            batch["ref_logps"] = self._reference_logps(batch)
-        slices = split_into_slices(batch, self.args.per_device_train_batch_size)  # trimmed: padded again below
-        pad = self.processing_class.pad_token_id
-        slices = [pad_to_multiple(part, self._pad_multiple(), pad) for part in slices]  # pad_to_multiple_of
-        # dapo normalises by the completion tokens of the whole optimizer step (all processes and
-        # accumulation slices). Count them per slice over all processes.
-        tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()  # [S]
-        tokens = self.accelerator.reduce(tokens, "sum") if self.accelerator.num_processes > 1 else tokens
-        ga, S = self.args.gradient_accumulation_steps, len(slices)
-        for k, part in enumerate(slices):
-            if S % ga == 0:  # exact: the optimizer step covers slices [w*ga, (w+1)*ga)
-                window = (k // ga) * ga
-                part["num_items_in_batch"] = tokens[window : window + ga].sum()
-            else:  # an optimizer step spans several rollouts: use this rollout's average
-                part["num_items_in_batch"] = tokens.sum() * ga / S
-        return slices
-
-    # ---- log-probabilities -----------------------------------------------------------------------------------
     def _logprob_kwargs(self, model: nn.Module) -> dict[str, Any]:
         args = self.args
         return {
@@ -729,30 +306,14 @@ class GRPOTrainer(Trainer):
         return self._shared_prefix_blocker(model) is None
 
     def _shared_prefix_blocker(self, model: nn.Module) -> str | None:
-        """Why `logprobs.shared_prefix_logps` does not apply, or None when it does: the option is on, the model is
-        the bare module or wrapped by DDP only (whose forward the fast path bypasses: `training_step` then averages
-        the gradients itself; FSDP and ZeRO-3 shard the weights), it is not gradient-checkpointed (checkpointed
-        layers drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
-        if not self.args.share_prompt_prefix:
-            return "share_prompt_prefix=False"
-        if self.router_aux_loss_coef != 0.0:
-            return (
-                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss needs the router "
-                "logits of every row's prompt, which the shared-prefix forward computes once per group"
-            )
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            return (
-                "FSDP and DeepSpeed ZeRO-3 shard the weights, which only the wrapper's own forward gathers; under "
-                "ZeRO-1/2 the engine reduces and partitions the gradients, untested with the bare module's forward"
-            )
-        module = self.accelerator.unwrap_model(model)
-        if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
-            return f"the model is wrapped by {type(model).__name__}"
-        if module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.modules()):
-            return "gradient checkpointing drops the prompt's cached keys/values"
-        if not supports_shared_prefix(module):
-            return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
-        return None
+        """Why the shared-prefix forward does not apply to `model` (`logprobs.shared_prefix_blocker`), or None."""
+        return shared_prefix_blocker(
+            model,
+            self.accelerator.unwrap_model(model),
+            share_prompt_prefix=self.args.share_prompt_prefix,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
+        )
 
     def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any], **kwargs) -> torch.Tensor:
         """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time (under autocast: the fast
@@ -768,7 +329,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         period = args.steps_per_generation * args.num_iterations
         if self._micro_step % period == 0:
-            self._buffer = self._prepare_rollout(inputs)
+            self._buffer = self.experience.slices(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
 
@@ -831,7 +392,7 @@ class GRPOTrainer(Trainer):
         (`grpo_hf.guards`) found from `context`: the rollout and group size, the micro-batch, or the model."""
         bad = not bool(torch.isfinite(value).all())
         if what == "loss" and self.accelerator.num_processes > 1:  # the others: every process decides alike
-            bad = self._sum_processes(int(bad)) > 0
+            bad = sum_over_processes(self.accelerator, int(bad)) > 0
         if not bad:
             return False
         step = self.state.global_step + 1
@@ -955,7 +516,7 @@ class GRPOTrainer(Trainer):
         """Sample `num_generations_eval` completions per eval prompt, record their rewards, and return their GRPO loss
         under the current policy (on-policy, ratio 1; the KL to the reference when beta != 0; the high-entropy mask
         and the entropy bonus as in training, the adaptive coefficient left unchanged): `eval_loss`."""
-        batch = self._generate_and_score(inputs, "eval")
+        batch = self.experience.make(inputs, "eval")
         if "advantages" not in batch:  # the batch cut a group: no advantages, no loss
             return None, None, None
         batch["ref_logps"] = self._reference_logps(batch)
@@ -969,106 +530,42 @@ class GRPOTrainer(Trainer):
 
     # ---- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log row, with the means of the metrics recorded since the last row (`metrics.Metrics`)."""
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        collected = self._metrics[mode]
-        keys = sorted(key for key, values in collected.items() if values)
-        if mode == "train" and "train_runtime" in logs and not keys:
+        means = self._metrics.pop_means(mode)
+        if mode == "train" and "train_runtime" in logs and not means:
             # Trainer's end-of-training row: with every step already logged (logging_steps=1), it repeats the last
             # step's metrics, as TRL's does (logging_steps=10 leaves metrics unlogged there), for log_history[-1].
-            logs.update(self._last_train_metrics)
-        if keys:
-            means = torch.tensor(
-                [sum(collected[k]) / len(collected[k]) for k in keys], dtype=torch.float64, device=self.args.device
-            )
-            if self.accelerator.num_processes > 1:  # every process logs at the same step
-                means = self.accelerator.reduce(means, "mean")
-            # Evaluation metrics take Trainer's prefix: "eval_", or "eval_<split>_" for a dict of eval datasets.
-            runtime = next(
-                (key for key in logs if key.startswith("eval_") and key.endswith("_runtime")), "eval_runtime"
-            )
-            prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
-            logs.update({f"{prefix}{k}": v for k, v in zip(keys, means.tolist(), strict=True)})
-            if mode == "train":
-                self._last_train_metrics = dict(zip(keys, means.tolist(), strict=True))
-        collected.clear()
+            means = self._metrics.last_train
+        # Evaluation metrics take Trainer's prefix: "eval_", or "eval_<split>_" for a dict of eval datasets.
+        runtime = next((key for key in logs if key.startswith("eval_") and key.endswith("_runtime")), "eval_runtime")
+        prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
+        logs.update({f"{prefix}{key}": value for key, value in means.items()})
         tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
             tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
-        if mode == "train" and self.args.log_completions and self._completion_rows:
-            rows, self._completion_rows = self._completion_rows, []
+        if mode == "train" and self.args.log_completions and self.experience.completion_rows:
+            rows, self.experience.completion_rows = self.experience.completion_rows, []
             if self.accelerator.is_main_process:
                 write_completions(
                     rows, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
                 )
         super().log(logs, start_time)
 
-    # ---- checkpoints and resume (`grpo_hf.checkpoint`) -------------------------------------------------------
+    # ---- checkpoints and resume: `checkpoint.AtomicCheckpoints`, with this run state ---------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`. `output_dir` is checked for writing again; `resume_from_checkpoint=True`
-        takes the newest *complete* checkpoint; the GRPO run state (mid-rollout buffer, micro-step, token count,
-        unlogged metrics) is restored with Trainer's, so the resumed run repeats the unbroken one exactly."""
-        if self.args.should_save:  # checked at construction too; it may have changed since
-            checkpoint.check_writable(self.args.output_dir)
+        """`Trainer.train`, resumable exactly (`checkpoint.AtomicCheckpoints.train`), after checking that every
+        process holds the same train dataset."""
         check_same_dataset(self.train_dataset, self.accelerator)
-        resume = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if resume is not None:
-            self._load_run_state(resume)
-        with checkpoint.StopRequest() as self._stop_request:
-            output = super().train(
-                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-            )
-        if self._stop_request.received:
-            logger.warning(
-                f"Training stopped by {self._stop_request.received} after step {self.state.global_step}, checkpoint "
-                "saved: resume with trainer.train(resume_from_checkpoint=True)."
-            )
-        return output
-
-    def _get_output_dir(self, trial) -> str:
-        return self._staging_dir or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Trainer's checkpoint, plus this process's run state, written under `output_dir/.saving/` and renamed
-        into place once every process has written its part: a `checkpoint-N` directory is always complete."""
-        if self.args.push_to_hub:  # the Hub upload reads the directory Trainer wrote: keep Trainer's layout
-            super()._save_checkpoint(model, trial)
-            checkpoint.save_run_state(self._checkpoint_path(trial), self.accelerator.process_index, self._run_state())
-            return
-        final = self._checkpoint_path(trial)
-        run_dir, name = os.path.split(final)
-        staging = checkpoint.staging_run_dir(run_dir)
-        staged = os.path.join(staging, name)
-        if self.args.should_save and os.path.isdir(staged):  # left by a run killed while saving
-            shutil.rmtree(staged)
-        self.accelerator.wait_for_everyone()
-        self._staging_dir = staging
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        os.makedirs(staged, exist_ok=True)
-        checkpoint.save_run_state(staged, self.accelerator.process_index, self._run_state())
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            best = self.state.best_model_checkpoint
-            if best is not None and best.startswith(staging + os.sep):  # Trainer recorded the staged path
-                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
-                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-            checkpoint.publish(staged, final)
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
-
-    def _checkpoint_path(self, trial) -> str:
-        return os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _run_state(self) -> dict[str, Any]:
         state = {
-            "num_processes": self.accelerator.num_processes,
             "micro_step": self._micro_step,
             "buffer": self._buffer,
-            "num_tokens": self._num_tokens,
+            "num_tokens": self.experience.num_tokens,
             "entropy_control": self._entropy.state(),
-            "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
+            "metrics": self._metrics.state(),
         }
         if self.args.sync_ref_model and self.accelerator.is_main_process:  # the same on every process: saved once
             state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
@@ -1090,18 +587,10 @@ class GRPOTrainer(Trainer):
             return
         self.accelerator.unwrap_model(self.ref_model).load_state_dict(saved)
 
-    def _load_run_state(self, path: str) -> None:
-        state = checkpoint.load_run_state(path, self.accelerator.process_index, self.accelerator.device)
+    def _load_run_state(self, path: str, state: dict[str, Any] | None) -> None:
         self._load_reference(path, state)
-        if state is not None and state.get("num_processes") != self.accelerator.num_processes:
-            state = None  # the buffered rollout was cut for another number of processes
-        if state is None:
-            logger.warning(
-                f"{path} has no grpo_hf run state ({checkpoint.RUN_STATE.format(rank=self.accelerator.process_index)}"
-                "): it was not written by this version of grpo_hf, or by another number of processes. Training "
-                "resumes from its weights with a fresh rollout, so it does not repeat the original run exactly."
-            )
-            return
-        self._micro_step, self._buffer, self._num_tokens = state["micro_step"], state["buffer"], state["num_tokens"]
-        self._metrics["train"] = defaultdict(list, state["metrics"])
-        self._entropy.load_state(state.get("entropy_control"))  # adaptive entropy_coef; None in older checkpoints
+        if state is not None:
+            self._micro_step, self._buffer = state["micro_step"], state["buffer"]
+            self.experience.num_tokens = state["num_tokens"]
+            self._metrics.load_state(state["metrics"])
+            self._entropy.load_state(state.get("entropy_control"))  # adaptive entropy_coef; None in older checkpoints

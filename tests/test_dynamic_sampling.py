@@ -159,7 +159,7 @@ def test_when_rounds_run_out_the_step_trains_only_on_the_kept_groups(tmp_path):
 def test_a_batch_with_no_signal_after_every_round_warns_and_leaves_the_weights(tmp_path, caplog):
     trainer = build_trainer(str(tmp_path), max_rounds=2, kinds=["flat"] * 8)
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf"):
         trainer.train()
     assert any(
         "0 of 4 groups" in r.getMessage() and "dynamic_sampling_max_rounds" in r.getMessage() for r in caplog.records

@@ -443,8 +443,8 @@ def test_trainer_loss_policy_loss_and_eval_loss_are_the_formula(tmp_path, tokeni
     assert log["entropy_coef"] == 0.5 and abs(log["loss"] - log["policy_loss"]) > 1e-3
 
     seen = []
-    generate_and_score = trainer._generate_and_score
-    trainer._generate_and_score = lambda *a: seen.append(generate_and_score(*a)) or seen[-1]
+    make = trainer.experience.make
+    trainer.experience.make = lambda *a: seen.append(make(*a)) or seen[-1]
     metrics = trainer.evaluate()
     (batch,) = seen  # the eval batch: 1 prompt x 4 completions, with its ref_logps
     assert metrics["eval_loss"] == pytest.approx(formula_loss(model, batch, args)[1], rel=1e-5)

@@ -117,7 +117,7 @@ def test_advantages_that_overflow_name_the_reward_functions_and_completion(tmp_p
         with pytest.raises(FloatingPointError, match=expected):
             trainer.train()
     else:
-        with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+        with caplog.at_level(logging.WARNING, logger="grpo_hf"):
             trainer.train()
         assert any(re.search(expected, r.getMessage()) for r in caplog.records)
         assert trainer.state.log_history[0]["nonfinite/skipped_steps"] == 1

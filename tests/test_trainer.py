@@ -322,7 +322,7 @@ def test_all_none_rewards_train_with_a_warning(tmp_path, tokenizer, tiny_llama, 
         train_dataset=make_dataset(),
         processing_class=tokenizer,
     )
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf"):
         trainer.train()
     assert any("All reward functions returned None" in r.getMessage() for r in caplog.records)
     assert trainer.state.global_step == 1
@@ -584,6 +584,6 @@ def test_toy_task_learns_from_scratch(tmp_path):
 def test_log_prob_path_and_why_are_logged_at_start_up(tmp_path, tiny_llama, tokenizer, caplog, overrides, expected):
     args = make_args(tmp_path, max_steps=1, **overrides)
     trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
-    with caplog.at_level(logging.INFO, logger="grpo_hf.trainer"):
+    with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
     assert any(expected in record.getMessage() for record in caplog.records)

@@ -113,8 +113,8 @@ def length_reward(completion_ids, **kwargs):
 
 def rollouts_of(trainer) -> list[dict]:
     """Record every rollout round's output (its `all_rewards` [N, R])."""
-    seen, rollout_round = [], trainer._rollout_round
-    trainer._rollout_round = lambda *a: seen.append(rollout_round(*a)) or seen[-1]
+    seen, rollout_round = [], trainer.experience.round
+    trainer.experience.round = lambda *a: seen.append(rollout_round(*a)) or seen[-1]
     return seen
 
 
@@ -197,8 +197,8 @@ def test_synced_reference_is_saved_with_the_run_state(tmp_path, tokenizer):
     saved, resumed = build(), build()
     for p in saved.ref_model.parameters():
         p.data.mul_(0.5)
-    checkpoint.save_run_state(str(tmp_path), 0, saved._run_state())
-    resumed._load_run_state(str(tmp_path))
+    checkpoint.save_run_state(str(tmp_path), 0, saved._run_state_to_save())
+    resumed._load_run_state(str(tmp_path), resumed._saved_run_state(str(tmp_path)))
     for (name, p), q in zip(saved.ref_model.named_parameters(), resumed.ref_model.parameters(), strict=True):
         assert torch.equal(p, q), name
 
@@ -256,7 +256,7 @@ def test_pad_to_multiple_of_pads_the_rollout_and_leaves_the_loss(tmp_path, token
     assert loss_of(batch).item() == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
     assert train_logs(trainer)[0]["loss"] == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
     trainer.args.pad_to_multiple_of = "auto"
-    assert trainer._pad_multiple() is None  # "auto": 128 on Neuron only (TRL)
+    assert trainer.experience.pad_multiple() is None  # "auto": 128 on Neuron only (TRL)
 
 
 def test_cast_lm_head_to_fp32_computes_fp32_logits(tokenizer):
@@ -379,7 +379,7 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
         build_tiny_moe(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
     )
     assert trainer.router_aux_loss_coef == coef
-    with caplog.at_level(logging.INFO, logger="grpo_hf.trainer"):
+    with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
     assert "one padded forward over prompt + completion rows (router_aux_loss_coef=0.5: the MoE" in caplog.text
     (batch,) = trainer._buffer

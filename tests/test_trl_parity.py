@@ -113,7 +113,7 @@ def test_a_completion_without_any_reward_is_reported_with_trl_warning(tmp_path, 
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer), none_for_the_first, _args(tmp_path), DATASET, processing_class=tokenizer
     )
-    with caplog.at_level("WARNING", logger="grpo_hf.trainer"):
+    with caplog.at_level("WARNING", logger="grpo_hf"):
         trainer.train()
     expected = r"All reward functions returned None for the following kwargs: \{'prompt': '[abcd]', 'completion': "
     assert re.search(expected, caplog.text)
