@@ -89,7 +89,7 @@ class ExperienceMaker:
         """
         trainer, args = self.trainer, self.trainer.args
         G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
-        rollout, kept = self.round(inputs, mode, G), None
+        rollout, kept = self.rollout_round(inputs, mode, G), None
         if mode == "train" and args.dynamic_sampling:
             rollout, kept = self.keep_groups_with_signal(rollout, G)
         batch = {key: rollout[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
@@ -142,7 +142,7 @@ class ExperienceMaker:
         return group_advantages(total, G, args.scale_rewards)
 
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
-    def round(self, inputs: list[dict[str, Any]], mode: str, G: int) -> dict[str, Any]:
+    def rollout_round(self, inputs: list[dict[str, Any]], mode: str, G: int) -> dict[str, Any]:
         """Tokenize, generate and score this process's rows; record the round's metrics.
 
         Returns this process's prompt/completion tensors [B, ...], `is_truncated` [B], `rewards` [B, R], the
@@ -306,8 +306,8 @@ class ExperienceMaker:
         """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and
         generate for fresh prompts, at most `dynamic_sampling_max_rounds` more rounds, until the batch is full.
 
-        Returns this process's share of the new batch (as `round`), and `kept` [N] (bool), False on the rows of
-        dropped groups that fill the batch when the rounds ran out.
+        Returns this process's share of the new batch (as `rollout_round`), and `kept` [N] (bool), False on the
+        rows of dropped groups that fill the batch when the rounds ran out.
         """
         trainer = self.trainer
         B, pad = len(first["prompts"]), trainer.processing_class.pad_token_id
@@ -325,7 +325,7 @@ class ExperienceMaker:
                     )
                 fresh = FreshPrompts(self._refill_dataset, trainer.args.seed, trainer.state.global_step)
             rounds += 1
-            rollout = self.round(self._fresh_inputs(fresh, pool.seen, B, G), "train", G)
+            rollout = self.rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), "train", G)
         rows, kept = pool.batch(pad)
         self._record_dynamic_sampling(pool, rounds)
         start = trainer.accelerator.process_index * B

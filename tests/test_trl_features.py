@@ -113,8 +113,8 @@ def length_reward(completion_ids, **kwargs):
 
 def rollouts_of(trainer) -> list[dict]:
     """Record every rollout round's output (its `all_rewards` [N, R])."""
-    seen, rollout_round = [], trainer.experience.round
-    trainer.experience.round = lambda *a: seen.append(rollout_round(*a)) or seen[-1]
+    seen, rollout_round = [], trainer.experience.rollout_round
+    trainer.experience.rollout_round = lambda *a: seen.append(rollout_round(*a)) or seen[-1]
     return seen
 
 
