@@ -1,8 +1,9 @@
 """The `TrainerCallback`s a `GRPOTrainer` installs on itself: what happens around Trainer's optimizer step.
 
 - `AfterOptimizerStep`: drops a step's update when a non-finite value was met (`on_nonfinite="skip_step"`), stops
-  every process at the same step on SIGTERM / Ctrl-C (`checkpoint.StopRequest`), logs the log-prob path at the
-  start of training, and tells the rollout engine that the weights changed.
+  every process at the same step on SIGTERM / Ctrl-C (`checkpoint.StopRequest`), logs the log-prob path and aligns
+  the precision guard's step count (for a resumed run) at the start of training, and tells the rollout engine that
+  the weights changed.
 - `SyncReference`: TR-DPO's reference update (`sync_ref_model`).
 """
 

@@ -50,7 +50,7 @@ class ExperienceMaker:
         self.trainer = trainer
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
-        self.num_tokens = 0  # prompt + completion tokens trained on so far, over all processes
+        self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
         self.completion_rows: list[dict[str, Any]] = []  # the last rollout's rows for `log_completions`
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
 
@@ -109,9 +109,9 @@ class ExperienceMaker:
             return batch
         if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
             batch["completion_mask"] = batch["completion_mask"] * kept[start : start + B].unsqueeze(1).long()
+        self._record_training_rows(rollout, batch)  # counts truncated completions' tokens too (TRL)
         if args.mask_truncated_completions:
             batch["completion_mask"] = batch["completion_mask"] * (~rollout["is_truncated"]).unsqueeze(1).long()
-        self._record_training_rows(rollout, batch)
         return batch
 
     def _record_training_rows(self, rollout: dict[str, Any], batch: dict[str, Any]) -> None:
@@ -173,7 +173,7 @@ class ExperienceMaker:
         if trainer.args.reward_error_policy == "skip":
             for name in trainer.reward_func_names:
                 metrics[f"rewards/{name}/errors"].append(float(sum_over_processes(accelerator, errors.get(name, 0))))
-        trainer._metrics.add_logged(mode, logs.metrics)
+        trainer._metrics.add_logged(mode, logs.metrics, accelerator)
         float_lengths = accelerator.gather(lengths).float()  # [N]
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())

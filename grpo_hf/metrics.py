@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from accelerate.utils import gather_object
 
 MODES = ("train", "eval")
 
@@ -17,22 +18,18 @@ MODES = ("train", "eval")
 class Metrics:
     """Per mode, per name, the values recorded since the last log row (`metrics["train"][name].append(x)`)."""
 
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
+    def __init__(self):
         self.modes: dict[str, defaultdict[str, list[float]]] = {mode: defaultdict(list) for mode in MODES}
         self.last_train: dict[str, float] = {}  # the last train row's means, for the end-of-training row
 
     def __getitem__(self, mode: str) -> defaultdict[str, list[float]]:
         return self.modes[mode]
 
-    def add_logged(self, mode: str, logged: dict[str, list[float]]) -> None:
+    def add_logged(self, mode: str, logged: dict[str, list[float]], accelerator) -> None:
         """The values reward functions passed to `log_metric` in one rollout: one mean per name over every value of
         every process (TRL), recorded under that name; the row then averages these means over the rollouts."""
-        accelerator = self.accelerator
         names = sorted(logged)
         if accelerator.num_processes > 1:  # every process takes part in the reduction of every name
-            from accelerate.utils import gather_object
-
             names = sorted({name for part in gather_object([names]) for name in part})
         if not names:
             return
@@ -43,7 +40,7 @@ class Metrics:
         for name, (total, count) in zip(names, stats.tolist(), strict=True):
             self.modes[mode][name].append(total / count)
 
-    def pop_means(self, mode: str) -> dict[str, float]:
+    def pop_means(self, mode: str, accelerator) -> dict[str, float]:
         """Each recorded name's mean over its values, averaged over processes; the values are then cleared. Every
         process must call it at the same step."""
         collected = self.modes[mode]
@@ -51,11 +48,11 @@ class Metrics:
         means = torch.tensor(
             [sum(collected[key]) / len(collected[key]) for key in keys],
             dtype=torch.float64,
-            device=self.accelerator.device,
+            device=accelerator.device,
         )
         collected.clear()
-        if keys and self.accelerator.num_processes > 1:
-            means = self.accelerator.reduce(means, "mean")
+        if keys and accelerator.num_processes > 1:
+            means = accelerator.reduce(means, "mean")
         row = dict(zip(keys, means.tolist(), strict=True))
         if mode == "train" and row:
             self.last_train = row

@@ -170,7 +170,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self._needs_old_logps = args.gradient_accumulation_steps % uses_per_rollout != 0
         self._micro_step = 0
         self._buffer: list[dict[str, Any]] = []  # the micro-batch slices of the current rollout
-        self._metrics = Metrics(self.accelerator)
+        self._metrics = Metrics()
         self.experience = ExperienceMaker(self)  # rollouts: generate, score, advantages, slices
         self._skip_update = False  # a non-finite value was met in this optimizer step (on_nonfinite="skip_step")
         self._skipped_steps = 0
@@ -532,7 +532,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log row, with the means of the metrics recorded since the last row (`metrics.Metrics`)."""
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        means = self._metrics.pop_means(mode)
+        means = self._metrics.pop_means(mode, self.accelerator)
         if mode == "train" and "train_runtime" in logs and not means:
             # Trainer's end-of-training row: with every step already logged (logging_steps=1), it repeats the last
             # step's metrics, as TRL's does (logging_steps=10 leaves metrics unlogged there), for log_history[-1].

@@ -367,8 +367,13 @@ def test_all_truncated_and_masked_leaves_parameters_unchanged(tmp_path, tokenize
     )
     trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
     trainer.train()
-    assert train_logs(trainer)[0]["completions/clipped_ratio"] == 1.0
+    logs = train_logs(trainer)
+    assert logs[0]["completions/clipped_ratio"] == 1.0
     assert all(torch.equal(p, before[n]) for n, p in tiny_llama.named_parameters())
+    # num_tokens counts every generated token, masked or not (TRL): step 2's prompts plus 4 x 8 completion tokens
+    (batch,) = trainer._buffer
+    assert batch["completion_mask"].sum() == 0
+    assert logs[1]["num_tokens"] - logs[0]["num_tokens"] == batch["prompt_mask"].sum().item() + 4 * 8
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo", "sapo"])
