@@ -41,10 +41,8 @@ class AfterOptimizerStep(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         request = self.trainer._stop_request
         if request is not None:
-            stop = request.received is not None
-            if self.trainer.accelerator.num_processes > 1:  # one process signalled: all stop at this same step
-                stop = sum_over_processes(self.trainer.accelerator, int(stop)) > 0
-            if stop:
+            # one process signalled: all stop at this same step
+            if sum_over_processes(self.trainer.accelerator, int(request.received is not None)) > 0:
                 control.should_save = args.save_strategy != "no"
                 control.should_training_stop = True
 

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from transformers import TrainingArguments
+from transformers import GenerationConfig, TrainingArguments
 
 from grpo_hf.core import check_entropy_settings, check_loss_settings
 
@@ -551,10 +551,8 @@ class GRPOConfig(TrainingArguments):
         `trust_remote_code` from this config unless they set it (TRL)."""
         return {"trust_remote_code": self.trust_remote_code, **as_dict(self.model_init_kwargs, "model_init_kwargs")}
 
-    def generation_config_for(self, pad_token_id: int, eos_token_ids: list[int]):
+    def generation_config_for(self, pad_token_id: int, eos_token_ids: list[int]) -> GenerationConfig:
         """The rollouts' `GenerationConfig`: this config's sampling settings, then `generation_kwargs` over them."""
-        from transformers import GenerationConfig
-
         settings = {
             "max_new_tokens": self.max_completion_length,
             "do_sample": True,

@@ -19,6 +19,7 @@ prompts by index), and a check of every prompt up front (`validation` checks its
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -40,10 +41,14 @@ def is_stream(dataset) -> bool:
     return isinstance(dataset, datasets.IterableDataset)
 
 
+def eval_splits(eval_dataset) -> list:
+    """The eval datasets `Trainer.evaluate` runs: each split of a dict of them, or the one dataset (or None)."""
+    return list(eval_dataset.values()) if isinstance(eval_dataset, Mapping) else [eval_dataset]
+
+
 def any_stream(train_dataset, eval_dataset) -> bool:
     """Whether the train dataset, the eval dataset or one of the eval splits is a stream."""
-    evals = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset]
-    return is_stream(train_dataset) or any(is_stream(dataset) for dataset in evals)
+    return is_stream(train_dataset) or any(is_stream(dataset) for dataset in eval_splits(eval_dataset))
 
 
 def configure_args(args, train_dataset, eval_dataset) -> None:
@@ -79,12 +84,7 @@ def _set(args, values: Mapping) -> None:
 
 def first_rows(dataset, n: int = STREAM_ROWS_CHECKED) -> list:
     """Up to `n` rows from the start of a stream (reading it again later starts over)."""
-    rows = []
-    for row in dataset:
-        rows.append(row)
-        if len(rows) == n:
-            break
-    return rows
+    return list(itertools.islice(dataset, n))
 
 
 def in_sampler_order(stream, args, is_training: bool) -> RepeatedStream:

@@ -256,7 +256,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
         args = self.args
         self.accelerator.dataloader_config.dispatch_batches = False
-        checked = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        checked = streams.eval_splits(self.eval_dataset)  # at construction
         if not is_training and not any(dataset is known for known in checked):  # first seen by `evaluate(stream)`
             validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
         with streams.one_worker(args):
@@ -391,7 +391,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """True when `value` is NaN/inf on any process; then raise (on_nonfinite="raise") or warn, with the cause
         (`grpo_hf.guards`) found from `context`: the rollout and group size, the micro-batch, or the model."""
         bad = not bool(torch.isfinite(value).all())
-        if what == "loss" and self.accelerator.num_processes > 1:  # the others: every process decides alike
+        if what == "loss":  # the others: every process decides alike
             bad = sum_over_processes(self.accelerator, int(bad)) > 0
         if not bad:
             return False

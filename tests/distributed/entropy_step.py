@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from conftest import exit_without_teardown  # noqa: E402
 from grpo_step import GLOBAL_BATCH, build_trainer  # noqa: E402
 
 
@@ -43,8 +44,4 @@ def main(out_path: str, fast: bool) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] == "fast")
-    # The result is written and the processes left together: skip interpreter teardown, where gloo's threads can
-    # still abort a process now and then ("terminate called without an active exception", exit code -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()

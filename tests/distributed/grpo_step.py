@@ -20,7 +20,7 @@ from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown  # noqa: E402
 
 from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
@@ -102,8 +102,4 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: b
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fast", sys.argv[5:] == ["stream"])
-    # The result is written and the processes left together: skip interpreter teardown, where gloo's threads can
-    # still abort a process now and then ("terminate called without an active exception", exit code -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
