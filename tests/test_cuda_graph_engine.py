@@ -1,10 +1,12 @@
 """The `cuda_graph` engine draws what `model.generate` draws, with a decode step that compiles without a graph break.
 
 CPU only: the step runs eagerly (compile=False), except where `torch.compile(..., backend="eager", fullgraph=True)`
-checks that it traces as one graph. That the graph is captured by CUDA graphs is measured on a GPU, not here.
+checks that it traces as one graph, and one test compiles it as a GPU run does (inductor, the engine's own
+`compile_kwargs`). That the graph is captured by CUDA graphs is measured on a GPU, not here.
 """
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -167,6 +169,34 @@ def test_decode_step_compiles_as_one_graph_and_draws_what_the_eager_step_draws(t
         assert torch.equal(got.completion_ids, expected.completion_ids)
     assert expected.completion_ids.size(1) == 6 and expected.completion_mask.sum() > len(PROMPTS)
     assert compiled._step is not None and len(compiled._buckets) == 1
+
+
+@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="inductor needs a C++ compiler")
+def test_the_engines_own_compile_settings_build_a_step_that_reads_the_weights_where_they_live(tokenizer):
+    """The step as a GPU run compiles it (`compile_kwargs` as shipped: inductor, `mode="reduce-overhead"`, which on
+    CPU skips only the CUDA-graph capture): every processor lowers, the in-place cache and state updates survive
+    functionalisation, and the generated code reads the parameters instead of baking them in, so that an in-place
+    optimizer update is seen by the next call without a recompile."""
+    torch._dynamo.reset()  # a fresh cache for `decode_step`: earlier tests' entries count towards the recompile limit
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    settings = dict(max_new_tokens=8, temperature=0.7, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    config = _config(tokenizer, **settings)  # top_k=1: an argmax after every processor, so that draws can be compared
+    eager = _engine(model, config, tokenizer, compile=False)
+    compiled = _engine(model, config, tokenizer, compile=True)
+    assert compiled.compile_kwargs == {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
+    before = compiled.generate(model, prompt_ids, prompt_mask).completion_ids
+    assert torch.equal(before, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
+    assert torch.equal(before, _reference(model, prompt_ids, prompt_mask, config, tokenizer).completion_ids)
+
+    with torch.no_grad():  # what an optimizer step does: new values, same storage
+        for parameter in model.model.layers[-1].parameters():
+            parameter.add_(torch.randn_like(parameter) * parameter.abs().mean())
+    compiled.on_weights_updated(model)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        after = compiled.generate(model, prompt_ids, prompt_mask).completion_ids
+    assert not torch.equal(after, before)
+    assert torch.equal(after, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
 
 
 def test_unsupported_reason_names_what_the_static_step_cannot_take(tokenizer):
