@@ -199,6 +199,58 @@ def test_the_engines_own_compile_settings_build_a_step_that_reads_the_weights_wh
     assert torch.equal(after, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
 
 
+def test_a_batch_of_fewer_rows_reuses_the_compiled_step_of_a_bucket_of_more_rows(tokenizer):
+    """Dynamic sampling's later rounds and eval batches are smaller: they decode in the larger bucket (its spare rows
+    start finished and are cut off) instead of compiling for every row count; the eager engine keeps exact rows."""
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    config = _config(tokenizer, max_new_tokens=6, repetition_penalty=1.2)
+    eager = _engine(model, config, tokenizer, compile=False)
+    compiled = _engine(model, config, tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    for count in (len(PROMPTS), 5, 2, 1):
+        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS[-count:])
+        with torch._dynamo.config.patch(error_on_recompile=count < len(PROMPTS)):
+            got = compiled.generate(model, prompt_ids, prompt_mask)
+        expected = eager.generate(model, prompt_ids, prompt_mask)
+        for got_tensor, expected_tensor in zip(got, expected, strict=True):
+            assert torch.equal(got_tensor, expected_tensor), count
+    assert [key[1:] for key in compiled._buckets] == [(len(PROMPTS), 64)]
+    assert sorted(key[1] for key in eager._buckets) == [1, 2, 5, len(PROMPTS)]
+
+
+def _broken_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile")
+
+
+@pytest.mark.parametrize("failure", ["recompile limit", "backend error"])
+def test_a_step_that_does_not_compile_runs_eagerly_with_one_warning(tokenizer, caplog, failure):
+    """Under fullgraph=True Dynamo raises at its recompile limit (8 by default: 8 row counts or prompt buckets would
+    stop a run) and when a backend fails; the bucket then decodes eagerly, drawing the same tokens, and says why."""
+    torch._dynamo.reset()  # count this test's compiles only
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    config = _config(tokenizer, max_new_tokens=5)
+    eager = _engine(model, config, tokenizer, compile=False)
+    compiled = _engine(model, config, tokenizer, compile=True)
+    backend = "eager" if failure == "recompile limit" else _broken_backend
+    compiled.compile_kwargs = {"fullgraph": True, "backend": backend, "dynamic": False}
+    compiled.max_compiles = 2
+    batches = [tokenize_prompts(tokenizer, PROMPTS[:count])[:2] for count in (2, 4, 6, 6, 3)]
+    with caplog.at_level(logging.INFO, logger="grpo_hf.rollout.cuda_graph"):
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for prompt_ids, prompt_mask in batches:
+                got = compiled.generate(model, prompt_ids, prompt_mask).completion_ids
+                assert torch.equal(got, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
+    messages = [record.getMessage() for record in caplog.records]
+    compiled_for = [m for m in messages if "compiled the decode step" in m]
+    eager_for = [m for m in messages if "did not compile" in m]
+    if failure == "recompile limit":  # 2 and 4 rows compile; 6 rows would be the third compile
+        assert len(compiled_for) == 2 and len(eager_for) == 1 and "6 rows" in eager_for[0]
+        assert "FailOnRecompileLimitHit" in eager_for[0] and "max_compiles (2)" in eager_for[0]
+    else:  # 2, 4 and 6 rows each try once
+        assert not compiled_for and len(eager_for) == 3 and "cannot compile" in eager_for[0]
+    assert all(record.levelno == logging.WARNING for record in caplog.records if "did not compile" in record.msg)
+
+
 def test_unsupported_reason_names_what_the_static_step_cannot_take(tokenizer):
     model = _model(tokenizer)
     config = _config(tokenizer)

@@ -7,7 +7,9 @@ It samples what `model.generate` samples (the same processors, in the same order
 - Prefill: each distinct prompt (`prompt_runs`) is prefilled once, eagerly, into a `DynamicCache`; its keys and
   values are copied into a static KV cache of N rows x (P_bucket + max_new_tokens) positions, the prompt right-aligned
   at position P_bucket. P_bucket is the prompt length rounded up to `prompt_bucket`; a shorter prompt reuses a larger
-  bucket (more masked left padding), so the step recompiles only when prompts grow past every bucket seen.
+  bucket (more masked left padding), and when the step is compiled, so does a batch of fewer rows (the spare rows
+  repeat the first prompt and start finished: decoding is bound by reading the weights, so they cost little). The
+  step compiles once per bucket, in the bucket's first step, and only when a batch fits no bucket seen.
 - `decode_step`: one token per row. The model gets a 4-D mask [N, 1, 1, L] (boolean for sdpa, additive for eager),
   which transformers' `masking_utils` passes through as is, plus `position_ids`; the cache writes at a device
   index (`StaticRowsLayer`). The processors are pure tensor functions (`process_logits`: repetition penalty with a
@@ -19,6 +21,8 @@ It samples what `model.generate` samples (the same processors, in the same order
   At most ~2 x `check_every` steps run after the last row finished; their tokens are pad and are cut off.
 - Weights: the graph reads the parameters where they live, nothing copies them, so in-place optimizer updates are
   seen by the next call. `on_weights_updated` drops the buffers and the compiled step if the parameters moved.
+- A compile that fails, or one past `max_compiles` (Dynamo's recompile limit, 8 by default, raises under
+  `fullgraph=True`), leaves that bucket on the same step run eagerly, with one warning; nothing of the batch is lost.
   PEFT/LoRA: the PEFT wrapper's base model is called; its LoRA layers run inside the step (no merge).
 """
 
@@ -41,6 +45,18 @@ from grpo_hf.rollout.sampling import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Dynamo's per-function limit on compiled entries (`cache_size_limit` in older torch), and what it raises there under
+# fullgraph=True; a compile that fails raises a TorchDynamoException.
+_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+_COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    *(
+        getattr(torch._dynamo.exc, name)
+        for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+        if hasattr(torch._dynamo.exc, name)
+    ),
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,9 +194,11 @@ class DecodeState:
 @dataclass
 class _Bucket:
     prompt_slots: int  # P_bucket: the prompt ends at this cache position
+    settings: SamplingSettings  # constants of its compiled step
     cache: Cache
     state: DecodeState
-    compiled: bool = False  # the compiled step has run on it (its compile time was logged)
+    compiled: bool = False  # its first step has run (and compiled, its time logged)
+    eager: bool = False  # its compile failed: the step runs eagerly
 
 
 def _mark_static(*tensors: torch.Tensor | None) -> None:
@@ -265,19 +283,21 @@ class CUDAGraphEngine(RolloutEngine):
 
     `compile`: None compiles on CUDA and runs the same step eagerly elsewhere; `compile_kwargs` are what
     `torch.compile` gets. `prompt_bucket` rounds prompt lengths up; `check_every` is how often (in tokens) the host
-    asks whether every row has finished.
+    asks whether every row has finished; `max_compiles` is how many buckets the step may be compiled for in this
+    process (Dynamo's recompile limit while the engine runs): past it, a new bucket's step runs eagerly.
     """
 
     name = "cuda_graph"
     options = ("compile",)
     prompt_bucket = 64
     check_every = 16
+    max_compiles = 64
 
     def __init__(self, generation_config, eos_token_ids, compile: bool | None = None):
         super().__init__(generation_config, eos_token_ids)
         self.compile = compile
         self.compile_kwargs = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
-        self._buckets: dict[tuple, _Bucket] = {}
+        self._buckets: dict[tuple, _Bucket] = {}  # by (family, rows, prompt slots)
         self._step = None  # the compiled decode_step, made at first use
         self._weights = None  # data pointers of the parameters the buffers and graphs were made with
 
@@ -307,39 +327,62 @@ class CUDAGraphEngine(RolloutEngine):
         self.on_weights_updated(model)
         self._weights = _weights_pointers(model)
         settings = SamplingSettings.of(model, self.generation_config)
+        compiles = self._compiles(model)
         logits, prefill, rows = _prefill(model, prompt_ids, prompt_mask)  # [U, V], cache of U rows, [N]
-        bucket = self._bucket(model, prompt_ids, prefill, logits.size(-1), settings)
-        _load_prompts(bucket, prompt_ids, prompt_mask, prefill, rows, settings)
+        bucket = self._bucket(model, prompt_ids.shape, prefill, logits.size(-1), settings, share_rows=compiles)
+        rows = _load_prompts(bucket, prompt_ids, prompt_mask, prefill, rows)  # [N_bucket]
         del prefill
         draw(logits[rows], bucket.state, settings)
-        step = self._compiled_step() if self._compiles(model) else decode_step
-        poll = _FinishedPoll(prompt_ids.device)
+        limit = max(self.max_compiles, getattr(torch._dynamo.config, _RECOMPILE_LIMIT))
+        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: limit}):
+            self._decode(self._compiled_step() if compiles and not bucket.eager else decode_step, model, bucket)
+        length = int(bucket.state.running_steps[0])  # the one sync that waits for the last step
+        return bucket.state.completion_ids[: prompt_ids.size(0), :length].clone()  # [N, T]: the buffer is reused
+
+    def _decode(self, step, model, bucket: _Bucket) -> None:
+        """Decode steps until max_new_tokens or until every row has finished (asked every `check_every` tokens)."""
+        poll = _FinishedPoll(bucket.state.finished.device)
         for t in range(1, self.generation_config.max_new_tokens):
             if t % self.check_every == 0:
                 if poll.read():
                     break
                 poll.post(bucket.state.finished)
-            if t == 1 and step is not decode_step and not bucket.compiled:
-                self._first_step(step, model, bucket, settings)
+            if step is not decode_step and not bucket.compiled:
+                step = self._first_step(step, model, bucket)
                 continue
-            step(model, bucket.cache, bucket.state, settings)
-        length = int(bucket.state.running_steps[0])  # the one sync that waits for the last step
-        return bucket.state.completion_ids[:, :length].clone()  # [N, T]: the buffer is reused by the next call
+            step(model, bucket.cache, bucket.state, bucket.settings)
 
-    def _first_step(self, step, model, bucket: _Bucket, settings) -> None:
-        """The bucket's first compiled step, timed once for the log (it compiles; a sync here is paid once)."""
+    def _first_step(self, step, model, bucket: _Bucket):
+        """The bucket's first compiled step, which compiles: timed once for the log (a sync here is paid once). A
+        compile that fails, or one past the recompile limit, leaves the bucket eager. Returns the step to go on."""
+        rows, positions = bucket.state.attention_mask.size(0), bucket.state.attention_mask.size(-1)
+        bucket.compiled = True
         start = time.perf_counter()
-        step(model, bucket.cache, bucket.state, settings)
+        try:
+            step(model, bucket.cache, bucket.state, bucket.settings)
+        except _COMPILE_ERRORS as error:  # raised before the step runs: the state is as it was
+            bucket.eager = True
+            logger.warning(
+                "cuda_graph: the decode step for %d rows x %d positions did not compile (%s: %s); it runs eagerly "
+                "for this shape. Each new shape compiles once, up to CUDAGraphEngine.max_compiles (%d) per process; "
+                "TORCH_LOGS=recompiles says why each compiled",
+                rows,
+                positions,
+                type(error).__name__,
+                " ".join(str(error).strip().split("\n\n")[0].split()),  # its first paragraph
+                self.max_compiles,
+            )
+            decode_step(model, bucket.cache, bucket.state, bucket.settings)
+            return decode_step
         if bucket.state.finished.is_cuda:
             torch.cuda.synchronize()
-        bucket.compiled = True
-        rows, positions = bucket.state.attention_mask.size(0), bucket.state.attention_mask.size(-1)
         logger.info(
             "cuda_graph: compiled the decode step for %d rows x %d positions in %.1f s (once per bucket)",
             rows,
             positions,
             time.perf_counter() - start,
         )
+        return step
 
     def _compiles(self, model) -> bool:
         if self.compile is None:
@@ -351,35 +394,34 @@ class CUDAGraphEngine(RolloutEngine):
             self._step = torch.compile(decode_step, **self.compile_kwargs)
         return self._step
 
-    def _bucket(self, model, prompt_ids: torch.Tensor, prefill: DynamicCache, vocab_size: int, settings) -> _Bucket:
-        """The static buffers for this batch: the smallest bucket that holds the prompts, else a new one (which
-        replaces the smaller buckets of the same shape)."""
-        N, P = prompt_ids.shape
-        T = self.generation_config.max_new_tokens
+    def _bucket(self, model, batch_shape, prefill: DynamicCache, vocab_size: int, settings, share_rows) -> _Bucket:
+        """The static buffers for N rows x P prompt positions: of the buckets of the same family (every other size,
+        the dtypes, the sampling settings), the smallest that holds them (more prompt slots; more rows too when
+        `share_rows`), else a new one, which replaces the buckets of its family that it holds."""
+        N, P = batch_shape
         first = prefill.layers[0]
         attention = model.config._attn_implementation
         mask_dtype = torch.bool if attention == "sdpa" else model.get_input_embeddings().weight.dtype
-        layout = (
-            len(prefill.layers),
-            first.keys.device,
-            first.keys.shape[1],
-            first.keys.shape[3],
-            first.values.shape[3],
-        )
-        shape = (N, T, vocab_size, *layout, first.keys.dtype, first.values.dtype, mask_dtype)
-        shape = (*shape, settings.repetition_penalty != 1)  # last: whether the state has a "seen" mask
-        fits = [key for key in self._buckets if key[1:] == shape and key[0] >= P]
+        T = self.generation_config.max_new_tokens
+        heads, head_dim, value_dim = first.keys.size(1), first.keys.size(3), first.values.size(3)
+        family = (T, vocab_size, len(prefill.layers), first.keys.device, heads, head_dim, value_dim)
+        family = (*family, first.keys.dtype, first.values.dtype, mask_dtype, settings)
+
+        def holds(rows: int, slots: int, n: int, p: int) -> bool:
+            return slots >= p and (rows >= n if share_rows else rows == n)
+
+        fits = [(rows, slots) for kin, rows, slots in self._buckets if kin == family and holds(rows, slots, N, P)]
         if fits:
-            return self._buckets[min(fits)]
-        for key in [key for key in self._buckets if key[1:] == shape]:
-            del self._buckets[key]
+            return self._buckets[(family, *min(fits))]
         prompt_slots = -(-P // self.prompt_bucket) * self.prompt_bucket
-        bucket = _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, shape[-1], self.eos_token_ids)
-        self._buckets[(prompt_slots, *shape)] = bucket
+        for key in [key for key in self._buckets if key[0] == family and holds(N, prompt_slots, *key[1:])]:
+            del self._buckets[key]
+        bucket = _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, self.eos_token_ids)
+        self._buckets[(family, N, prompt_slots)] = bucket
         return bucket
 
 
-def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, with_seen, eos_token_ids) -> _Bucket:
+def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, eos_token_ids) -> _Bucket:
     """The static cache (in the prefill's key and value dtypes, which differ under autocast) and decode state."""
     device = prefill.layers[0].keys.device
     L = prompt_slots + T
@@ -395,7 +437,9 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, with_seen, 
         position_ids=torch.zeros((N, 1), dtype=torch.long, device=device),
         slot=slot,
         attention_mask=torch.zeros((N, 1, 1, L), dtype=mask_dtype, device=device),
-        seen=torch.zeros((N, vocab_size), dtype=torch.bool, device=device) if with_seen else None,
+        seen=torch.zeros((N, vocab_size), dtype=torch.bool, device=device)
+        if settings.repetition_penalty != 1
+        else None,
         finished=torch.zeros(N, dtype=torch.bool, device=device),
         completion_ids=torch.zeros((N, T), dtype=torch.long, device=device),
         column=torch.zeros(1, dtype=torch.long, device=device),
@@ -403,7 +447,7 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, with_seen, 
         eos_token_ids=torch.tensor(list(eos_token_ids), dtype=torch.long, device=device),
     )
     _mark_static(*(getattr(state, name) for name in state.__dataclass_fields__))
-    return _Bucket(prompt_slots, Cache(layers=layers), state)
+    return _Bucket(prompt_slots, settings, Cache(layers=layers), state)
 
 
 @torch.no_grad()
@@ -415,15 +459,22 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     return logits, cache, rows
 
 
-def _load_prompts(bucket: _Bucket, prompt_ids, prompt_mask, prefill: DynamicCache, rows, settings) -> None:
-    """Reset `bucket` in place for this batch: prompts' keys/values into the cache rows, masks, positions, counters."""
+def _load_prompts(bucket: _Bucket, prompt_ids, prompt_mask, prefill: DynamicCache, rows) -> torch.Tensor:
+    """Reset `bucket` in place for this batch: prompts' keys/values into the cache rows, masks, positions, counters.
+    The bucket's rows beyond the batch's repeat its first row and start finished. Returns each bucket row's index into
+    the prefill's distinct prompts [N_bucket]."""
     N, P = prompt_ids.shape
+    state = bucket.state
+    spare = state.finished.size(0) - N
+    if spare:
+        pick = torch.arange(N + spare, device=prompt_ids.device)  # [N_bucket]
+        pick[N:] = 0
+        prompt_ids, prompt_mask, rows = prompt_ids[pick], prompt_mask[pick], rows[pick]
     start, stop = bucket.prompt_slots - P, bucket.prompt_slots
     for layer, source in zip(bucket.cache.layers, prefill.layers, strict=True):
         layer.keys[:, :, start:stop].copy_(source.keys[rows])
         layer.values[:, :, start:stop].copy_(source.values[rows])
-    state = bucket.state
-    visible = torch.zeros((N, state.attention_mask.size(-1)), dtype=torch.bool, device=prompt_ids.device)  # [N, L]
+    visible = torch.zeros((N + spare, state.attention_mask.size(-1)), dtype=torch.bool, device=prompt_ids.device)
     visible[:, start:stop] = prompt_mask != 0
     if state.attention_mask.dtype == torch.bool:
         state.attention_mask.copy_(visible[:, None, None])
@@ -435,8 +486,10 @@ def _load_prompts(bucket: _Bucket, prompt_ids, prompt_mask, prefill: DynamicCach
     state.position_ids.copy_(prompt_mask.long().sum(-1, keepdim=True))
     state.slot.fill_(stop)
     state.finished.zero_()
-    state.completion_ids.fill_(settings.pad_token_id)
+    state.finished[N:] = True
+    state.completion_ids.fill_(bucket.settings.pad_token_id)
     state.column.zero_()
     state.running_steps.zero_()
     if state.seen is not None:
         state.seen.copy_(prompt_seen_mask(prompt_ids, prompt_mask, state.seen.size(1)))
+    return rows
