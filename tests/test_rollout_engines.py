@@ -87,6 +87,21 @@ def test_static_cache_generation_under_autocast_with_fp32_weights(tokenizer, eng
     torch.testing.assert_close(ids * mask, reference[:, : ids.size(1)] * mask)
 
 
+def test_generate_static_rounds_its_cache_length_up_so_that_prompt_lengths_share_a_compiled_step(tokenizer):
+    model = build_tiny_model(tokenizer)
+    lengths, generate = [], model.generate
+    model.generate = lambda **kwargs: lengths.append(kwargs["past_key_values"].get_max_length()) or generate(**kwargs)
+    engine, _ = make_engine("generate_static", model, _config(tokenizer, top_k=1), [tokenizer.eos_token_id])
+    for prompts in (["Hi"], ["Hello there, how are you?"], ["x" * 60]):
+        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompts)
+        ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
+        reference = generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=_config(tokenizer, top_k=1)
+        )
+        assert torch.equal(ids * mask, reference[:, prompt_ids.size(1) :][:, : ids.size(1)] * mask)
+    assert lengths == [64, 64, 128]  # prompt + 6 new tokens, rounded up to a multiple of 64
+
+
 def test_a_registered_engine_is_used_by_the_trainer_and_told_of_every_optimizer_step(tmp_path, tokenizer):
     class Recording(RolloutEngine):
         instances = []

@@ -5,7 +5,9 @@
 compiles the decode step for on CUDA (about 4x faster than the dynamic cache for small models, after a
 one-time compile). Both build the static cache themselves (`static_cache`): transformers' own allocates
 the values in the keys' dtype, which fails under autocast with fp32 weights, where rotary embeddings
-leave the keys fp32 and the values bf16.
+leave the keys fp32 and the values bf16. Its length is rounded up to `cache_bucket` positions, so that
+batches whose prompts differ a little in length reuse one compiled decode step (every new length would
+compile again, and past Dynamo's recompile limit generate's step runs uncompiled).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class GenerateEngine(RolloutEngine):
 
     name = "generate"
     cache_implementation: str | None = None  # None: the generation config's own
+    cache_bucket = 64  # a static cache's length is rounded up to a multiple of this
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         config = self.generation_config
@@ -53,7 +56,7 @@ class GenerateEngine(RolloutEngine):
         if (self.cache_implementation or config.cache_implementation) == "static":
             config = copy.copy(config)
             config.cache_implementation = None
-            max_len = prompt_ids.size(1) + config.max_new_tokens
+            max_len = -(-(prompt_ids.size(1) + config.max_new_tokens) // self.cache_bucket) * self.cache_bucket
             kwargs["past_key_values"] = static_cache(model.config, max_len)
         output = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
