@@ -16,7 +16,9 @@ CUDA graphs are per trainer. Two modes:
     completion tensor's width);
   - `mean_length`, `rewards`: the logged mean completion length and mean reward of each step;
   - `peak_cuda_bytes`: `torch.cuda.max_memory_allocated` over the training (null on CPU); `peak_rss_mib`;
-  - `engine`: what generated (grpo_hf: `trainer.rollout.name` after the first step);
+  - `engine`: what generated (grpo_hf: `trainer.rollout.name` after the first step); `engine_log` (grpo_hf): the
+    INFO and WARNING lines of `grpo_hf.experience` and `grpo_hf.rollout` (which engine and why, compile times, a step
+    that did not compile);
   - after training, the last generation call is replayed twice (CUDA only): once under
     `torch.cuda.set_sync_debug_mode("warn")` (`syncs`: the synchronising operations it warns about) and once under
     `torch.profiler` (`kernels`: GPU kernels seen, inside CUDA graphs too where CUPTI reports them; `launches`:
@@ -34,6 +36,7 @@ import argparse
 import functools
 import itertools
 import json
+import logging
 import os
 import resource
 import sys
@@ -263,6 +266,25 @@ class GenerationMeter:
         return decode_steps(output, args, kwargs)
 
 
+class _ListHandler(logging.Handler):
+    def __init__(self, lines: list[str], limit: int):
+        super().__init__(logging.INFO)
+        self.lines, self.limit = lines, limit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < self.limit:
+            self.lines.append(f"{record.levelname}: {record.getMessage()}"[:400])
+
+
+def keep_engine_log(lines: list[str], limit: int = 20) -> None:
+    """Append the first `limit` INFO/WARNING lines of grpo_hf's engine choice and rollout engines to `lines`."""
+    handler = _ListHandler(lines, limit)
+    for name in ("grpo_hf.experience", "grpo_hf.rollout"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+
+
 def grpo_hf_decode_steps(output, args, kwargs) -> int:
     return output.completion_ids.size(1)  # [N, T]
 
@@ -396,6 +418,7 @@ def run(args, record: dict, save) -> None:
         from grpo_hf.rollout import RolloutEngine
 
         RolloutEngine.generate = meter.wrap(RolloutEngine.generate, grpo_hf_decode_steps)
+        keep_engine_log(record["engine_log"])
 
     def sync():
         if cuda:
@@ -490,6 +513,7 @@ def main() -> None:
         "job": args.job,
         "status": "running",
         "engine": None,
+        "engine_log": [],
         "step_seconds": [],
         "generate_seconds": [],
         "decode_steps": [],

@@ -30,6 +30,7 @@ root; wheels carried over (e.g. trl, peft, accelerate, or a grpo_hf wheel) go to
     python benchmarks/gpu_vs_trl.py                                   # J1-J4, 4 steps each (first untimed), 1 rep
     python benchmarks/gpu_vs_trl.py --jobs J1,J3 --reps 2 --json gpu_vs_trl.json
     python benchmarks/gpu_vs_trl.py --jobs J1 --engine generate_static
+    python benchmarks/gpu_vs_trl.py --jobs J1 --trainers grpo_hf --steps 3   # a first check of the engine (~2 min)
     python benchmarks/gpu_vs_trl.py --smoke --device cpu --jobs J1,J3 --steps 2   # tiny shapes, end to end on CPU
 
 Reading the table (one row per job and trainer, then grpo_hf / TRL):
@@ -116,6 +117,8 @@ def median_of(values) -> float | None:
 
 def summarise(runs: list[dict]) -> dict:
     """One trainer's runs of one job: medians over the timed steps (all but each run's first) and over runs."""
+    if not runs:
+        return {"status": "not run", "runs": 0, "oom_runs": 0, "failed_runs": 0}
     ok = [run for run in runs if run["status"] == "ok"]
     summary = {
         "status": "ok" if ok else ("OOM" if any(run["status"] == "oom" for run in runs) else "error"),
@@ -223,6 +226,12 @@ def main() -> None:
         help="grpo_hf's rollout_engine: auto (default; cuda_graph on CUDA), cuda_graph, generate_static, loop, "
         "generate.",
     )
+    parser.add_argument(
+        "--trainers",
+        default="trl,grpo_hf",
+        help="Which trainers run: trl,grpo_hf (default), or one of them alone (e.g. a first check of grpo_hf's "
+        "engine on a new machine; the ratios are then n/a).",
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="Where both trainers run.")
     parser.add_argument("--smoke", action="store_true", help="Tiny shapes (2 layers, hidden 64, 2 prompts x 2, ...).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of repetition 0; repetition r uses seed + r.")
@@ -235,6 +244,9 @@ def main() -> None:
     unknown = sorted(set(jobs) - set(_gpu_worker.JOBS))
     if unknown or not jobs:
         raise SystemExit(f"Unknown job(s) {unknown}; choose from {', '.join(_gpu_worker.JOBS)}.")
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    if not trainers or set(trainers) - {"trl", "grpo_hf"}:
+        raise SystemExit(f"--trainers {args.trainers!r}: name trl, grpo_hf or both, comma-separated.")
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the first one is not timed.")
     json.loads(args.grpo_hf_extra)  # fail here, not in every worker
@@ -273,7 +285,7 @@ def main() -> None:
                     flush=True,
                 )
             for rep in range(args.reps):
-                for impl in ("trl", "grpo_hf") if rep % 2 == 0 else ("grpo_hf", "trl"):
+                for impl in [i for i in (("trl", "grpo_hf") if rep % 2 == 0 else ("grpo_hf", "trl")) if i in trainers]:
                     run = run_trainer(impl, job, models[shape], args, args.seed + rep, workdir)
                     runs[job][impl].append(run)
                     print(f"  {job} rep {rep} {LABELS[impl]}: {run_line(run)}", flush=True)
@@ -287,6 +299,10 @@ def main() -> None:
         trl, ours = summarise(runs[job]["trl"]), summarise(runs[job]["grpo_hf"])
         summaries[job] = {"trl": trl, "grpo_hf": ours, "ratios": ratios(trl, ours, on_gpu)}
     print(f"\n{table(summaries, args.smoke)}\n")
+    for job in jobs:
+        for run in runs[job]["grpo_hf"][:1]:
+            if run.get("engine_log"):
+                print(f"grpo_hf's engine log, {job} (first run):\n  " + "\n  ".join(run["engine_log"]))
     print(
         "Random weights: completions run to max_completion_length (no EOS sampled; see mean len), the worst case "
         "for decoding. Time ratios are grpo_hf's over TRL's ('faster' = TRL's over grpo_hf's); first step includes "
