@@ -56,6 +56,11 @@ def _engine(model, config, tokenizer, **options) -> CUDAGraphEngine:
     return engine
 
 
+def _assert_compiled(engine: CUDAGraphEngine) -> None:
+    """Every bucket ran its compiled step: none fell back to eager (which would draw the same tokens)."""
+    assert engine._buckets and all(b.compiled and not b.eager for b in engine._buckets.values())
+
+
 def _reference(model, prompt_ids, prompt_mask, config, tokenizer):
     engine, _ = make_engine("generate", model, config, [tokenizer.eos_token_id])
     return engine.generate(model, prompt_ids, prompt_mask)
@@ -125,6 +130,8 @@ def test_weights_changed_in_place_are_seen_by_the_next_call(tokenizer, compiled)
     engine.on_weights_updated(model)
     after = engine.generate(model, prompt_ids, prompt_mask).completion_ids
     assert weight.data_ptr() == pointer and engine._buckets  # in place: the buffers were kept
+    if compiled:
+        _assert_compiled(engine)
     assert torch.equal(after[:, 0], len(tokenizer) - 1 - before[:, 0])
     assert torch.equal(after, _reference(model, prompt_ids, prompt_mask, config, tokenizer).completion_ids)
 
@@ -147,6 +154,8 @@ def test_lora_model_samples_what_the_merged_model_samples(tokenizer, compiled):
     reference = _engine(merged, config, tokenizer, compile=False).generate(merged, prompt_ids, prompt_mask)
     assert not torch.equal(ours, base)  # the adapter changes what is sampled
     assert torch.equal(ours, reference.completion_ids)
+    if compiled:
+        _assert_compiled(engine)
 
 
 def test_decode_step_compiles_as_one_graph_and_draws_what_the_eager_step_draws(tokenizer):
@@ -169,6 +178,7 @@ def test_decode_step_compiles_as_one_graph_and_draws_what_the_eager_step_draws(t
         assert torch.equal(got.completion_ids, expected.completion_ids)
     assert expected.completion_ids.size(1) == 6 and expected.completion_mask.sum() > len(PROMPTS)
     assert compiled._step is not None and len(compiled._buckets) == 1
+    _assert_compiled(compiled)
 
 
 @pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="inductor needs a C++ compiler")
@@ -197,11 +207,13 @@ def test_the_engines_own_compile_settings_build_a_step_that_reads_the_weights_wh
         after = compiled.generate(model, prompt_ids, prompt_mask).completion_ids
     assert not torch.equal(after, before)
     assert torch.equal(after, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
+    _assert_compiled(compiled)
 
 
 def test_a_batch_of_fewer_rows_reuses_the_compiled_step_of_a_bucket_of_more_rows(tokenizer):
     """Dynamic sampling's later rounds and eval batches are smaller: they decode in the larger bucket (its spare rows
-    start finished and are cut off) instead of compiling for every row count; the eager engine keeps exact rows."""
+    start finished and are cut off) instead of compiling for every row count, down to a quarter of its rows; the
+    eager engine keeps exact rows."""
     model = _model(tokenizer, seed=3, eos_scale=1.5)
     config = _config(tokenizer, max_new_tokens=6, repetition_penalty=1.2)
     eager = _engine(model, config, tokenizer, compile=False)
@@ -209,13 +221,14 @@ def test_a_batch_of_fewer_rows_reuses_the_compiled_step_of_a_bucket_of_more_rows
     compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
     for count in (len(PROMPTS), 5, 2, 1):
         prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS[-count:])
-        with torch._dynamo.config.patch(error_on_recompile=count < len(PROMPTS)):
+        with torch._dynamo.config.patch(error_on_recompile=count in (5, 2)):
             got = compiled.generate(model, prompt_ids, prompt_mask)
         expected = eager.generate(model, prompt_ids, prompt_mask)
         for got_tensor, expected_tensor in zip(got, expected, strict=True):
             assert torch.equal(got_tensor, expected_tensor), count
-    assert [key[1:] for key in compiled._buckets] == [(len(PROMPTS), 64)]
+    assert sorted(key[1:] for key in compiled._buckets) == [(1, 64), (len(PROMPTS), 64)]  # 1 row: a bucket of its own
     assert sorted(key[1] for key in eager._buckets) == [1, 2, 5, len(PROMPTS)]
+    _assert_compiled(compiled)
 
 
 def _broken_backend(graph_module, example_inputs):
@@ -245,10 +258,27 @@ def test_a_step_that_does_not_compile_runs_eagerly_with_one_warning(tokenizer, c
     eager_for = [m for m in messages if "did not compile" in m]
     if failure == "recompile limit":  # 2 and 4 rows compile; 6 rows would be the third compile
         assert len(compiled_for) == 2 and len(eager_for) == 1 and "6 rows" in eager_for[0]
-        assert "FailOnRecompileLimitHit" in eager_for[0] and "max_compiles (2)" in eager_for[0]
+        assert "FailOnRecompileLimitHit" in eager_for[0] and "up to 2 shapes" in eager_for[0]
     else:  # 2, 4 and 6 rows each try once
         assert not compiled_for and len(eager_for) == 3 and "cannot compile" in eager_for[0]
     assert all(record.levelno == logging.WARNING for record in caplog.records if "did not compile" in record.msg)
+
+
+def test_the_engine_lifts_dynamos_recompile_limit_of_8_while_it_decodes(tokenizer, caplog):
+    """Nine row counts, one after another, each a new bucket: under Dynamo's default limit the ninth compile raises
+    (fullgraph=True); the engine decodes under `max_compiles` (64), and leaves the global limit as it was."""
+    torch._dynamo.reset()
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    compiled = _engine(model, _config(tokenizer, max_new_tokens=3), tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    assert torch._dynamo.config.recompile_limit == 8
+    with caplog.at_level(logging.INFO, logger="grpo_hf.rollout.cuda_graph"):
+        for count in range(1, 10):
+            compiled.generate(model, *tokenize_prompts(tokenizer, ["Hello there"] * count)[:2])
+    assert sum("compiled the decode step" in record.getMessage() for record in caplog.records) == 9
+    assert [key[1] for key in compiled._buckets] == [9]  # each bucket replaced the one before, which it holds
+    _assert_compiled(compiled)
+    assert torch._dynamo.config.recompile_limit == 8
 
 
 def test_unsupported_reason_names_what_the_static_step_cannot_take(tokenizer):
@@ -330,3 +360,4 @@ def test_the_first_compiled_step_of_a_bucket_reports_its_compile_time_once(token
         engine.generate(model, prompt_ids, prompt_mask)  # the same bucket: no second report
     reports = [r.getMessage() for r in caplog.records if "compiled the decode step" in r.getMessage()]
     assert len(reports) == 1 and "4 rows x 68 positions" in reports[0]
+    _assert_compiled(engine)

@@ -7,9 +7,11 @@ It samples what `model.generate` samples (the same processors, in the same order
 - Prefill: each distinct prompt (`prompt_runs`) is prefilled once, eagerly, into a `DynamicCache`; its keys and
   values are copied into a static KV cache of N rows x (P_bucket + max_new_tokens) positions, the prompt right-aligned
   at position P_bucket. P_bucket is the prompt length rounded up to `prompt_bucket`; a shorter prompt reuses a larger
-  bucket (more masked left padding), and when the step is compiled, so does a batch of fewer rows (the spare rows
-  repeat the first prompt and start finished: decoding is bound by reading the weights, so they cost little). The
-  step compiles once per bucket, in the bucket's first step, and only when a batch fits no bucket seen.
+  bucket (more masked left padding), and when the step is compiled, so does a batch of fewer rows, down to a quarter
+  of the bucket's (`max_row_padding`): the spare rows repeat the first prompt and start finished; decoding is bound
+  by reading the weights, so they cost little, but they draw from the RNG too, so a sampled batch depends on the
+  bucket it ran in. The step compiles once per bucket, in the bucket's first step, and only when a batch fits no
+  bucket seen.
 - `decode_step`: one token per row. The model gets a 4-D mask [N, 1, 1, L] (boolean for sdpa, additive for eager),
   which transformers' `masking_utils` passes through as is, plus `position_ids`; the cache writes at a device
   index (`StaticRowsLayer`). The processors are pure tensor functions (`process_logits`: repetition penalty with a
@@ -21,9 +23,12 @@ It samples what `model.generate` samples (the same processors, in the same order
   At most ~2 x `check_every` steps run after the last row finished; their tokens are pad and are cut off.
 - Weights: the graph reads the parameters where they live, nothing copies them, so in-place optimizer updates are
   seen by the next call. `on_weights_updated` drops the buffers and the compiled step if the parameters moved.
-- A compile that fails, or one past `max_compiles` (Dynamo's recompile limit, 8 by default, raises under
-  `fullgraph=True`), leaves that bucket on the same step run eagerly, with one warning; nothing of the batch is lost.
   PEFT/LoRA: the PEFT wrapper's base model is called; its LoRA layers run inside the step (no merge).
+- Compiles: Dynamo keeps one entry per bucket the step was ever compiled for, in this process (the code object is
+  shared by every engine), and under `fullgraph=True` raises past its recompile limit (8 by default), which would
+  stop a run at its ninth shape. The engine decodes with that limit raised to `max_compiles` (64). A compile that
+  fails, or one past the limit, leaves that bucket on the same step run eagerly, with one warning; nothing of the
+  batch is lost.
 """
 
 from __future__ import annotations
@@ -283,14 +288,17 @@ class CUDAGraphEngine(RolloutEngine):
 
     `compile`: None compiles on CUDA and runs the same step eagerly elsewhere; `compile_kwargs` are what
     `torch.compile` gets. `prompt_bucket` rounds prompt lengths up; `check_every` is how often (in tokens) the host
-    asks whether every row has finished; `max_compiles` is how many buckets the step may be compiled for in this
-    process (Dynamo's recompile limit while the engine runs): past it, a new bucket's step runs eagerly.
+    asks whether every row has finished; `max_row_padding`: a compiled bucket takes batches of down to 1 /
+    `max_row_padding` of its rows; `max_compiles`: Dynamo's recompile limit for the step while the engine decodes
+    (unless set higher), i.e. how many shapes it may be compiled for in this process; past it, a new bucket's step
+    runs eagerly.
     """
 
     name = "cuda_graph"
     options = ("compile",)
     prompt_bucket = 64
     check_every = 16
+    max_row_padding = 4
     max_compiles = 64
 
     def __init__(self, generation_config, eos_token_ids, compile: bool | None = None):
@@ -335,11 +343,12 @@ class CUDAGraphEngine(RolloutEngine):
         draw(logits[rows], bucket.state, settings)
         limit = max(self.max_compiles, getattr(torch._dynamo.config, _RECOMPILE_LIMIT))
         with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: limit}):
-            self._decode(self._compiled_step() if compiles and not bucket.eager else decode_step, model, bucket)
+            step = self._compiled_step() if compiles and not bucket.eager else decode_step
+            self._decode(step, model, bucket, limit)
         length = int(bucket.state.running_steps[0])  # the one sync that waits for the last step
         return bucket.state.completion_ids[: prompt_ids.size(0), :length].clone()  # [N, T]: the buffer is reused
 
-    def _decode(self, step, model, bucket: _Bucket) -> None:
+    def _decode(self, step, model, bucket: _Bucket, limit: int) -> None:
         """Decode steps until max_new_tokens or until every row has finished (asked every `check_every` tokens)."""
         poll = _FinishedPoll(bucket.state.finished.device)
         for t in range(1, self.generation_config.max_new_tokens):
@@ -348,32 +357,36 @@ class CUDAGraphEngine(RolloutEngine):
                     break
                 poll.post(bucket.state.finished)
             if step is not decode_step and not bucket.compiled:
-                step = self._first_step(step, model, bucket)
+                step = self._first_step(step, model, bucket, limit)
                 continue
             step(model, bucket.cache, bucket.state, bucket.settings)
 
-    def _first_step(self, step, model, bucket: _Bucket):
+    def _first_step(self, step, model, bucket: _Bucket, limit: int):
         """The bucket's first compiled step, which compiles: timed once for the log (a sync here is paid once). A
         compile that fails, or one past the recompile limit, leaves the bucket eager. Returns the step to go on."""
         rows, positions = bucket.state.attention_mask.size(0), bucket.state.attention_mask.size(-1)
-        bucket.compiled = True
         start = time.perf_counter()
         try:
             step(model, bucket.cache, bucket.state, bucket.settings)
+        except torch._dynamo.exc.RecompileError:  # `error_on_recompile=True`: asked for, so not caught
+            raise
         except _COMPILE_ERRORS as error:  # raised before the step runs: the state is as it was
-            bucket.eager = True
+            bucket.compiled = bucket.eager = True
             logger.warning(
                 "cuda_graph: the decode step for %d rows x %d positions did not compile (%s: %s); it runs eagerly "
-                "for this shape. Each new shape compiles once, up to CUDAGraphEngine.max_compiles (%d) per process; "
+                "for this shape. Each new shape compiles once, up to %d shapes per process "
+                "(CUDAGraphEngine.max_compiles or torch._dynamo.config.%s, whichever is higher); "
                 "TORCH_LOGS=recompiles says why each compiled",
                 rows,
                 positions,
                 type(error).__name__,
                 " ".join(str(error).strip().split("\n\n")[0].split()),  # its first paragraph
-                self.max_compiles,
+                limit,
+                _RECOMPILE_LIMIT,
             )
             decode_step(model, bucket.cache, bucket.state, bucket.settings)
             return decode_step
+        bucket.compiled = True
         if bucket.state.finished.is_cuda:
             torch.cuda.synchronize()
         logger.info(
@@ -396,8 +409,9 @@ class CUDAGraphEngine(RolloutEngine):
 
     def _bucket(self, model, batch_shape, prefill: DynamicCache, vocab_size: int, settings, share_rows) -> _Bucket:
         """The static buffers for N rows x P prompt positions: of the buckets of the same family (every other size,
-        the dtypes, the sampling settings), the smallest that holds them (more prompt slots; more rows too when
-        `share_rows`), else a new one, which replaces the buckets of its family that it holds."""
+        the dtypes, the sampling settings), the smallest that holds them (as many prompt slots or more; when
+        `share_rows`, up to `max_row_padding` times the rows), else a new one, which replaces the buckets of its
+        family that it would hold."""
         N, P = batch_shape
         first = prefill.layers[0]
         attention = model.config._attn_implementation
@@ -408,7 +422,7 @@ class CUDAGraphEngine(RolloutEngine):
         family = (*family, first.keys.dtype, first.values.dtype, mask_dtype, settings)
 
         def holds(rows: int, slots: int, n: int, p: int) -> bool:
-            return slots >= p and (rows >= n if share_rows else rows == n)
+            return slots >= p and (n <= rows <= self.max_row_padding * n if share_rows else rows == n)
 
         fits = [(rows, slots) for kin, rows, slots in self._buckets if kin == family and holds(rows, slots, N, P)]
         if fits:
