@@ -439,6 +439,7 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, e
     """The static cache (in the prefill's key and value dtypes, which differ under autocast) and decode state."""
     device = prefill.layers[0].keys.device
     L = prompt_slots + T
+    with_seen = settings.repetition_penalty != 1  # the repetition penalty's [N, V] mask
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     layers = []
     for layer in prefill.layers:
@@ -451,9 +452,7 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, e
         position_ids=torch.zeros((N, 1), dtype=torch.long, device=device),
         slot=slot,
         attention_mask=torch.zeros((N, 1, 1, L), dtype=mask_dtype, device=device),
-        seen=torch.zeros((N, vocab_size), dtype=torch.bool, device=device)
-        if settings.repetition_penalty != 1
-        else None,
+        seen=torch.zeros((N, vocab_size), dtype=torch.bool, device=device) if with_seen else None,
         finished=torch.zeros(N, dtype=torch.bool, device=device),
         completion_ids=torch.zeros((N, T), dtype=torch.long, device=device),
         column=torch.zeros(1, dtype=torch.long, device=device),
