@@ -16,6 +16,7 @@ from grpo_hf.rollout import (
     split_into_slices,
     tokenize_prompts,
 )
+from grpo_hf.rollout.cuda_graph import CUDAGraphEngine
 from grpo_hf.rollout.hf_generate import GenerateEngine, StaticGenerateEngine
 from grpo_hf.rollout.loop import LoopEngine
 
@@ -150,8 +151,22 @@ def test_config_checks_the_engine_name_and_the_old_alias(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, rollout_engine="loop", use_cpu=True)
 
 
-def test_cuda_graph_engine_follows_the_weights_the_optimizer_writes_in_place(tmp_path, tokenizer):
-    """bf16 weights + fp32 master weights: after optimizer steps the engine's reused buffers sample the new policy."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_engine_follows_the_weights_the_optimizer_writes_in_place(
+    tmp_path, tokenizer, monkeypatch, compiled
+):
+    """bf16 weights + fp32 master weights: after optimizer steps the engine's reused buffers sample the new policy.
+    Compiled (as on CUDA; Dynamo's tracing only, `backend="eager"`): inside the trainer, under its autocast, the step
+    compiles once, in the first rollout, and the later rollouts replay it without a recompile."""
+    if compiled:
+        torch._dynamo.reset()  # this test's compile is the first of `decode_step`; any other would be a recompile
+        init = CUDAGraphEngine.__init__
+
+        def compiling_init(self, *args, **kwargs):
+            init(self, *args, compile=True)
+            self.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+
+        monkeypatch.setattr(CUDAGraphEngine, "__init__", compiling_init)
     model = build_tiny_model(tokenizer, hidden_size=64).to(torch.bfloat16)
     initial = [p.detach().clone() for p in model.parameters()]
     args = GRPOConfig(
@@ -170,8 +185,12 @@ def test_cuda_graph_engine_follows_the_weights_the_optimizer_writes_in_place(tmp
     dataset = Dataset.from_dict({"prompt": ["Hi", "Hello there"] * 4})
     reward = lambda completion_ids, **kw: [float(sum(ids) % 5) for ids in completion_ids]  # noqa: E731
     trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        trainer.train()
     assert trainer.rollout.name == "cuda_graph" and trainer.precision_guard.masters is not None
+    buckets = list(trainer.rollout._buckets.values())
+    assert len(buckets) == 1 and buckets[0].compiled == compiled and not buckets[0].eager
+    assert (trainer.rollout._step is not None) == compiled
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))  # the policy moved
 
     prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["Hi"] * 4 + ["Hello there"] * 4)
