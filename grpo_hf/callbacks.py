@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from transformers import TrainerCallback
 
 from grpo_hf.core import mix_parameters_
-from grpo_hf.parallel import sum_over_processes
+from grpo_hf.parallel import is_zero3, sum_over_processes
 
 if TYPE_CHECKING:
     from grpo_hf.trainer import GRPOTrainer
@@ -87,7 +87,7 @@ class SyncReference(TrainerCallback):
         reference = trainer.accelerator.unwrap_model(trainer.ref_model)
         targets, sources = list(reference.parameters()), list(policy.parameters())
         alpha = trainer.args.ref_model_mixup_alpha
-        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if is_zero3(trainer.accelerator):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(targets + sources, modifier_rank=0):

@@ -30,7 +30,7 @@ from torch import nn
 
 from grpo_hf.completion_log import completion_rows
 from grpo_hf.core import check_finite_rewards, combine_rewards, decoupled_advantages, group_advantages, reward_metrics
-from grpo_hf.parallel import stop_together, sum_over_processes
+from grpo_hf.parallel import is_zero3, stop_together, sum_over_processes
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import RolloutEngine, is_conversational, make_engine, split_into_slices, tokenize_prompts
@@ -277,9 +277,7 @@ class ExperienceMaker:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
         if self.engine is None:
             trainer = self.trainer
-            sharded = trainer.is_fsdp_enabled or (
-                trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-            )
+            sharded = trainer.is_fsdp_enabled or is_zero3(trainer.accelerator)
             self.engine, why = make_engine(
                 trainer.args.rollout_engine, model, trainer.generation_config, trainer.eos_token_ids, sharded=sharded
             )
@@ -293,7 +291,7 @@ class ExperienceMaker:
         Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
         """
         trainer = self.trainer
-        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if is_zero3(trainer.accelerator):
             from trl.models.utils import unwrap_model_for_generation
 
             with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:

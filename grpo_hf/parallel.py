@@ -103,6 +103,12 @@ def check_same_dataset(dataset, accelerator, name: str = "train_dataset") -> Non
         )
 
 
+def is_zero3(accelerator) -> bool:
+    """Whether DeepSpeed ZeRO-3 shards the parameters (a forward outside the engine's must gather them first)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
 def sum_over_processes(accelerator, value: int) -> int:
     """`value` summed over all processes (every process must call it), or `value` itself with one process."""
     if accelerator.num_processes == 1:
