@@ -15,7 +15,12 @@ CUDA graphs are per trainer. Two modes:
     TRL: the model's `generate`, synchronised at both ends; prefill included) and the decode steps it made (the
     completion tensor's width);
   - `mean_length`, `rewards`: the logged mean completion length and mean reward of each step;
-  - `peak_cuda_bytes`: `torch.cuda.max_memory_allocated` over the training (null on CPU); `peak_rss_mib`;
+  - `peak_cuda_bytes`, `peak_cuda_reserved_bytes`: `torch.cuda.max_memory_allocated` and `max_memory_reserved`
+    over the training (null on CPU; a CUDA graph's private memory pool shows only in the reserved figure);
+    `peak_rss_mib`;
+  - `compile`: what torch.compile did in the process (grpo_hf's engine compiles its decode step): Inductor's
+    `cudagraph_skips` (a graph that runs without CUDA graphs), `cudagraph_partitions` (a graph split around what
+    CUDA graphs cannot take), Dynamo's `unique_graphs` and graph breaks;
   - `engine`: what generated (grpo_hf: `trainer.rollout.name` after the first step); `engine_log` (grpo_hf): the
     INFO and WARNING lines of `grpo_hf.experience` and `grpo_hf.rollout` (which engine and why, compile times, a step
     that did not compile);
@@ -396,6 +401,19 @@ def build_trainer(
     )
 
 
+def compile_counters() -> dict:
+    """torch.compile's counters in this process: what tells a lost or split CUDA graph from a slow one."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {
+        "cudagraph_skips": int(inductor.get("cudagraph_skips", 0)),
+        "cudagraph_partitions": int(inductor.get("cudagraph_partitions", 0)),
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
 def run(args, record: dict, save) -> None:
     import datasets
     import torch
@@ -470,6 +488,7 @@ def run(args, record: dict, save) -> None:
             if cuda:
                 record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
                 record["peak_cuda_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            record["compile"] = compile_counters()
         record["status"] = "ok"
         save()
         if not cuda or meter.last_call is None:
@@ -520,6 +539,8 @@ def main() -> None:
         "mean_length": [],
         "rewards": [],
         "peak_cuda_bytes": None,
+        "peak_cuda_reserved_bytes": None,
+        "compile": {},
         "syncs": None,
         "kernels": None,
         "launches": None,

@@ -71,7 +71,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gpu_worker  # noqa: E402  (standard library only at import time)
 
 WORKER = Path(__file__).with_name("_gpu_worker.py")
-LABELS = {"trl": "TRL", "grpo_hf": "grpo_hf"}
+# trainer -> (the worker's --impl, its extra grpo_hf config); grpo_hf_bf16: without fp32 master weights, whose fp32
+# copies and fp32 Adam states cost memory that TRL's bf16 parameters and Adam do not (like for like with TRL)
+TRAINERS = {
+    "trl": ("trl", {}),
+    "grpo_hf": ("grpo_hf", {}),
+    "grpo_hf_bf16": ("grpo_hf", {"fp32_master_weights": False}),
+}
+LABELS = {"trl": "TRL", "grpo_hf": "grpo_hf", "grpo_hf_bf16": "grpo_hf, no fp32 masters"}
+MIN_GRAPH_LAUNCHES_PER_TOKEN = 0.9  # a decode replayed from a CUDA graph launches it once per token (the 1st is eager)
 GIB = 2**30
 
 
@@ -90,19 +98,44 @@ def call_worker(options: list[str], out: str) -> tuple[dict | None, str]:
     return record, tail
 
 
-def run_trainer(impl: str, job: str, model_dir: str, args, seed: int, workdir: str) -> dict:
+def run_trainer(trainer: str, job: str, model_dir: str, args, seed: int, workdir: str) -> dict:
+    impl, extra = TRAINERS[trainer]
+    extra = {**json.loads(args.grpo_hf_extra), **extra}
     options = ["--impl", impl, "--job", job, "--model-dir", model_dir, "--steps", str(args.steps)]
-    options += ["--seed", str(seed), "--engine", args.engine, "--device", args.device, "--extra", args.grpo_hf_extra]
+    options += ["--seed", str(seed), "--engine", args.engine, "--device", args.device, "--extra", json.dumps(extra)]
     if args.smoke:
         options.append("--smoke")
-    record, tail = call_worker(options, os.path.join(workdir, f"{job}-{impl}-{seed}.json"))
+    record, tail = call_worker(options, os.path.join(workdir, f"{job}-{trainer}-{seed}.json"))
     if record is None:
         record = {"impl": impl, "job": job, "status": "error", "error": "the worker wrote no result"}
     if record["status"] == "error" and "out of memory" in (record.get("error", "") + tail).lower():
         record["status"] = "oom"  # e.g. cuBLAS failing to allocate: raised as another error type
+    lost = lost_graph(record, args.device)
+    if lost:
+        record.update(status="error", error=f"the CUDA graph was lost: {lost}")
     if record["status"] == "error":
-        sys.stderr.write(f"\n--- {LABELS[impl]} run of {job} failed:\n{tail}\n---\n")
+        sys.stderr.write(f"\n--- {LABELS[trainer]} run of {job} failed: {record.get('error', '')}\n{tail}\n---\n")
     return record
+
+
+def lost_graph(record: dict, device: str) -> str | None:
+    """Why a grpo_hf run of the `cuda_graph` engine did not decode from a replayed CUDA graph, or None: Inductor
+    skipped CUDA graphs, a bucket fell back to eager (the engine's warning), or the replayed generation call launched
+    a graph for fewer than `MIN_GRAPH_LAUNCHES_PER_TOKEN` of its decoded tokens. (All launches per token would not
+    do: the same call's eager prefill adds ~1,600 kernel launches, ~6 per token over 256 tokens.) Without this, a
+    lost graph would read as a slow engine."""
+    if record.get("status") != "ok" or record.get("engine") != "cuda_graph" or device != "cuda":
+        return None
+    reasons = []
+    skips = record.get("compile", {}).get("cudagraph_skips", 0)
+    if skips:
+        reasons.append(f"Inductor skipped CUDA graphs {skips} time(s)")
+    reasons += [line for line in record.get("engine_log", []) if "runs eagerly" in line][:1]
+    graph_launches = sum(n for name, n in record.get("launch_names", {}).items() if "GraphLaunch" in name)
+    steps = record.get("replay_decode_steps")
+    if record.get("launch_names") and steps and graph_launches / steps < MIN_GRAPH_LAUNCHES_PER_TOKEN:
+        reasons.append(f"{graph_launches} CUDA graph launches for {steps} decoded tokens")
+    return "; ".join(reasons) or None
 
 
 def per_token(run: dict, key: str) -> float | None:
@@ -138,8 +171,20 @@ def summarise(runs: list[dict]) -> dict:
         s_per_step=median_of(timed),
         generate_s_per_step=median_of(generate),
         decode_ms_per_token=1000 * sum(generate) / decode_steps if decode_steps else None,
+        decode_ms_per_token_median=median_of(
+            1000 * seconds / steps
+            for run in ok
+            for seconds, steps in zip(run["generate_seconds"][1:], run["decode_steps"][1:], strict=True)
+            if steps
+        ),
         mean_length=statistics.fmean(lengths) if lengths else None,
         peak_cuda_gib=median_of(run["peak_cuda_bytes"] / GIB for run in ok if run.get("peak_cuda_bytes")),
+        peak_reserved_gib=median_of(
+            run["peak_cuda_reserved_bytes"] / GIB for run in ok if run.get("peak_cuda_reserved_bytes")
+        ),
+        cudagraph_skips=max(run.get("compile", {}).get("cudagraph_skips", 0) for run in ok),
+        cudagraph_partitions=max(run.get("compile", {}).get("cudagraph_partitions", 0) for run in ok),
+        unique_graphs=max(run.get("compile", {}).get("unique_graphs", 0) for run in ok),
         peak_rss_gib=median_of(run["peak_rss_mib"] / 1024 for run in ok),
         kernels_per_token=median_of(per_token(run, "kernels") for run in ok),
         launches_per_token=median_of(per_token(run, "launches") for run in ok),
@@ -164,6 +209,7 @@ def ratios(trl: dict, ours: dict, on_gpu: bool) -> dict:
         "generate_ratio": ratio(get(ours, "generate_s_per_step"), get(trl, "generate_s_per_step")),
         "memory_ratio": ratio(get(ours, memory), get(trl, memory)),
         "peak_cuda_ratio": ratio(get(ours, "peak_cuda_gib"), get(trl, "peak_cuda_gib")),
+        "peak_reserved_ratio": ratio(get(ours, "peak_reserved_gib"), get(trl, "peak_reserved_gib")),
         "peak_rss_ratio": ratio(get(ours, "peak_rss_gib"), get(trl, "peak_rss_gib")),
         "kernels_ratio": ratio(get(ours, "kernels_per_token"), get(trl, "kernels_per_token")),
         "launches_ratio": ratio(get(ours, "launches_per_token"), get(trl, "launches_per_token")),
@@ -184,34 +230,41 @@ def times(value: float | None, faster: bool = False) -> str:
 
 def table(summaries: dict, smoke: bool) -> str:
     lines = [
-        "| job | trainer | engine | first step s | s/step | gen s/step | decode ms/tok | mean len | peak CUDA GiB "
-        "| peak RSS GiB | kernels/tok | launches/tok | syncs/tok |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| job | trainer | engine | first step s | s/step | gen s/step | decode ms/tok (mean / median) | mean len "
+        "| peak CUDA GiB (allocated / reserved) | peak RSS GiB | kernels/tok | launches/tok | syncs/tok "
+        "| graph skips / partitions / graphs |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for job, by_impl in summaries.items():
+    for job, by_trainer in summaries.items():
         description = _gpu_worker.describe(job, smoke)
-        for impl in ("trl", "grpo_hf"):
-            s = by_impl[impl]
+        for trainer in TRAINERS:
+            s = by_trainer[trainer]
+            if s["status"] == "not run":
+                continue
             if s["status"] != "ok":
-                lines.append(f"| {job} ({description}) | {LABELS[impl]} | | **{s['status']}** |" + " |" * 9)
+                lines.append(f"| {job} ({description}) | {LABELS[trainer]} | | **{s['status']}** |" + " |" * 10)
                 continue
             note = f" ({s['oom_runs']} of {s['runs']} runs OOM)" if s["oom_runs"] else ""
+            graphs = f"{s['cudagraph_skips']} / {s['cudagraph_partitions']} / {s['unique_graphs']}"
             lines.append(
-                f"| {job} ({description}) | {LABELS[impl]}{note} | {s['engine']} | {num(s['first_step_s'], '.1f')} "
-                f"| {num(s['s_per_step'], '.2f')} | {num(s['generate_s_per_step'], '.2f')} "
-                f"| {num(s['decode_ms_per_token'], '.2f')} | {num(s['mean_length'], '.0f')} "
-                f"| {num(s['peak_cuda_gib'], '.2f')} | {num(s['peak_rss_gib'], '.2f')} "
-                f"| {num(s['kernels_per_token'], '.0f')} | {num(s['launches_per_token'], '.1f')} "
-                f"| {num(s['syncs_per_token'], '.2f')} |"
+                f"| {job} ({description}) | {LABELS[trainer]}{note} | {s['engine']} "
+                f"| {num(s['first_step_s'], '.1f')} | {num(s['s_per_step'], '.2f')} "
+                f"| {num(s['generate_s_per_step'], '.2f')} "
+                f"| {num(s['decode_ms_per_token'], '.2f')} / {num(s['decode_ms_per_token_median'], '.2f')} "
+                f"| {num(s['mean_length'], '.0f')} "
+                f"| {num(s['peak_cuda_gib'], '.2f')} / {num(s['peak_reserved_gib'], '.2f')} "
+                f"| {num(s['peak_rss_gib'], '.2f')} | {num(s['kernels_per_token'], '.0f')} "
+                f"| {num(s['launches_per_token'], '.1f')} | {num(s['syncs_per_token'], '.2f')} | {graphs} |"
             )
-        r = by_impl["ratios"]
-        lines.append(
-            f"| {job} | **grpo_hf / TRL** | | {times(r['first_step_ratio'])} | **{times(r['speedup'], True)}** "
-            f"| {times(r['generate_ratio'])} | {times(r['decode_speedup'], True)} | "
-            f"| **{times(r['peak_cuda_ratio'])}** "
-            f"| {times(r['peak_rss_ratio'])} | {times(r['kernels_ratio'])} | {times(r['launches_ratio'])} "
-            f"| {times(r['syncs_ratio'])} |"
-        )
+        for trainer, r in by_trainer["ratios"].items():
+            lines.append(
+                f"| {job} | **{LABELS[trainer]} / TRL** | | {times(r['first_step_ratio'])} "
+                f"| **{times(r['speedup'], True)}** | {times(r['generate_ratio'])} "
+                f"| {times(r['decode_speedup'], True)} | "
+                f"| **{times(r['peak_cuda_ratio'])}** / {times(r['peak_reserved_ratio'])} "
+                f"| {times(r['peak_rss_ratio'])} | {times(r['kernels_ratio'])} | {times(r['launches_ratio'])} "
+                f"| {times(r['syncs_ratio'])} | |"
+            )
     return "\n".join(lines)
 
 
@@ -228,9 +281,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--trainers",
-        default="trl,grpo_hf",
-        help="Which trainers run: trl,grpo_hf (default), or one of them alone (e.g. a first check of grpo_hf's "
-        "engine on a new machine; the ratios are then n/a).",
+        default="trl,grpo_hf,grpo_hf_bf16",
+        help="Which trainers run, comma-separated: trl, grpo_hf, grpo_hf_bf16 (grpo_hf with fp32_master_weights=False,"
+        " like for like with TRL's bf16 Adam); default all three. One alone is a first check of grpo_hf's engine on a "
+        "new machine (the ratios are then n/a).",
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="Where both trainers run.")
     parser.add_argument("--smoke", action="store_true", help="Tiny shapes (2 layers, hidden 64, 2 prompts x 2, ...).")
@@ -245,8 +299,8 @@ def main() -> None:
     if unknown or not jobs:
         raise SystemExit(f"Unknown job(s) {unknown}; choose from {', '.join(_gpu_worker.JOBS)}.")
     trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
-    if not trainers or set(trainers) - {"trl", "grpo_hf"}:
-        raise SystemExit(f"--trainers {args.trainers!r}: name trl, grpo_hf or both, comma-separated.")
+    if not trainers or set(trainers) - set(TRAINERS):
+        raise SystemExit(f"--trainers {args.trainers!r}: name some of {', '.join(TRAINERS)}, comma-separated.")
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the first one is not timed.")
     json.loads(args.grpo_hf_extra)  # fail here, not in every worker
@@ -256,7 +310,7 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     info: dict = {}
     models: dict[str, str] = {}  # shape -> directory
-    runs: dict[str, dict[str, list[dict]]] = {job: {"trl": [], "grpo_hf": []} for job in jobs}
+    runs: dict[str, dict[str, list[dict]]] = {job: {trainer: [] for trainer in TRAINERS} for job in jobs}
     try:
         for job in jobs:
             shape = _gpu_worker.job_settings(job, args.smoke)["shape"]
@@ -285,10 +339,11 @@ def main() -> None:
                     flush=True,
                 )
             for rep in range(args.reps):
-                for impl in [i for i in (("trl", "grpo_hf") if rep % 2 == 0 else ("grpo_hf", "trl")) if i in trainers]:
-                    run = run_trainer(impl, job, models[shape], args, args.seed + rep, workdir)
-                    runs[job][impl].append(run)
-                    print(f"  {job} rep {rep} {LABELS[impl]}: {run_line(run)}", flush=True)
+                order = [t for t in TRAINERS if t in trainers]
+                for trainer in order if rep % 2 == 0 else order[::-1]:
+                    run = run_trainer(trainer, job, models[shape], args, args.seed + rep, workdir)
+                    runs[job][trainer].append(run)
+                    print(f"  {job} rep {rep} {LABELS[trainer]}: {run_line(run)}", flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -296,11 +351,15 @@ def main() -> None:
     on_gpu = args.device == "cuda"
     summaries: dict[str, dict] = {}
     for job in jobs:
-        trl, ours = summarise(runs[job]["trl"]), summarise(runs[job]["grpo_hf"])
-        summaries[job] = {"trl": trl, "grpo_hf": ours, "ratios": ratios(trl, ours, on_gpu)}
+        summaries[job] = {trainer: summarise(runs[job][trainer]) for trainer in TRAINERS}
+        summaries[job]["ratios"] = {
+            trainer: ratios(summaries[job]["trl"], summaries[job][trainer], on_gpu)
+            for trainer in TRAINERS
+            if trainer != "trl" and summaries[job][trainer]["status"] != "not run"
+        }
     print(f"\n{table(summaries, args.smoke)}\n")
     for job in jobs:
-        for run in runs[job]["grpo_hf"][:1]:
+        for run in (runs[job]["grpo_hf"] or runs[job]["grpo_hf_bf16"])[:1]:
             if run.get("engine_log"):
                 print(f"grpo_hf's engine log, {job} (first run):\n  " + "\n  ".join(run["engine_log"]))
     print(
@@ -312,11 +371,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "args": vars(args), "runs": runs, "summaries": summaries}, f, indent=1)
-    failed = [f"{job} {LABELS[i]}" for job in jobs for i in ("trl", "grpo_hf") if summaries[job][i]["failed_runs"]]
+    failed = [f"{job} {LABELS[t]}" for job in jobs for t in TRAINERS if summaries[job][t]["failed_runs"]]
     if failed:
         print(f"FAILED runs (not OOM): {', '.join(failed)}; their output is above.")
-    headline = summaries["J1" if "J1" in summaries else jobs[0]]["ratios"]
-    speedup, memory_ratio = (num(headline[key], ".2f").replace("n/a", "nan") for key in ("speedup", "memory_ratio"))
+    headline = summaries["J1" if "J1" in summaries else jobs[0]]["ratios"].get("grpo_hf", {})
+    speedup, memory_ratio = (num(headline.get(k), ".2f").replace("n/a", "nan") for k in ("speedup", "memory_ratio"))
     print(f"speedup={speedup} memory_ratio={memory_ratio}")
     if failed:
         sys.exit(1)

@@ -279,7 +279,12 @@ class ExperienceMaker:
             trainer = self.trainer
             sharded = trainer.is_fsdp_enabled or is_zero3(trainer.accelerator)
             self.engine, why = make_engine(
-                trainer.args.rollout_engine, model, trainer.generation_config, trainer.eos_token_ids, sharded=sharded
+                trainer.args.rollout_engine,
+                model,
+                trainer.generation_config,
+                trainer.eos_token_ids,
+                sharded=sharded,
+                autocast=trainer.accelerator.autocast,  # for engines that call a model autocast does not wrap
             )
             logger.info(why)
         return self.engine

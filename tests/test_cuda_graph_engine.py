@@ -5,6 +5,7 @@ checks that it traces as one graph, and one test compiles it as a GPU run does (
 `compile_kwargs`). That the graph is captured by CUDA graphs is measured on a GPU, not here.
 """
 
+import abc
 import logging
 import shutil
 
@@ -209,6 +210,17 @@ def test_the_engines_own_compile_settings_build_a_step_that_reads_the_weights_wh
     assert torch.equal(after, eager.generate(model, prompt_ids, prompt_mask).completion_ids)
     _assert_compiled(compiled)
 
+    # Sampled, not argmax: inductor calls torch.rand as eager does (`fallback_random`), where its own kernel would
+    # draw float32 and cast, so the compiled step draws the very tokens the eager step draws from the same seed.
+    sampled = _config(tokenizer, **settings, top_k=None)
+    compiled = _engine(model, sampled, tokenizer, compile=True)
+    draws = []
+    for engine in (_engine(model, sampled, tokenizer, compile=False), compiled):
+        torch.manual_seed(7)
+        draws.append(engine.generate(model, prompt_ids, prompt_mask).completion_ids)
+    assert torch.equal(draws[0], draws[1]) and len(set(draws[0][:, 0].tolist())) > 1  # sampled: rows differ
+    _assert_compiled(compiled)
+
 
 def test_a_batch_of_fewer_rows_reuses_the_compiled_step_of_a_bucket_of_more_rows(tokenizer):
     """Dynamic sampling's later rounds and eval batches are smaller: they decode in the larger bucket (its spare rows
@@ -361,3 +373,206 @@ def test_the_first_compiled_step_of_a_bucket_reports_its_compile_time_once(token
     reports = [r.getMessage() for r in caplog.records if "compiled the decode step" in r.getMessage()]
     assert len(reports) == 1 and "4 rows x 68 positions" in reports[0]
     _assert_compiled(engine)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU hardening: grouped-query decode attention, guarded first calls, exact draws, LoRA precision, drift
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_grouped_decode_attention_equals_transformers_sdpa_with_the_cache_repeated(tokenizer, arch):
+    """One query token over the un-repeated cache equals transformers' sdpa path (`repeat_kv`), values to float32
+    rounding, for a boolean and an additive mask, on the attention modules of tiny GQA models (4 heads, 2 KV)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = _model(tokenizer, arch)
+    module = model.model.layers[0].self_attn
+    assert module.num_key_value_groups == 2
+    generator = torch.Generator().manual_seed(0)
+    N, H, H_kv, L, D = 3, 4, 2, 9, module.head_dim
+    query = torch.randn((N, H, 1, D), generator=generator)
+    key, value = torch.randn((2, N, H_kv, L, D), generator=generator)
+    visible = torch.rand((N, 1, 1, L), generator=generator) > 0.3
+    visible[..., -1] = True
+    additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    for mask in (visible, additive):
+        ours, _ = cuda_graph.grouped_decode_attention(module, query, key, value, mask, scaling=module.scaling)
+        with torch._dynamo.config.patch(verbose=False), torch.compiler.set_stance("default"):
+            reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+        assert ours.shape == reference.shape == (N, 1, H, D)
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_the_compiled_step_of_a_gqa_model_holds_no_copy_of_the_cache(tokenizer):
+    """The traced decode step has no tensor of the repeated cache's shape [N, H, L, D] (H query heads): attention
+    reads the [N, H_kv, L, D] buffers as they are. With grouped attention off (transformers' sdpa path under
+    torch.compile), the same trace holds two such copies per layer (keys and values); that is what the test tells
+    apart."""
+    model = _model(tokenizer, "qwen2")
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer, max_new_tokens=3)
+    N, H, layers = prompt_ids.size(0), model.config.num_attention_heads, model.config.num_hidden_layers
+
+    def repeated_cache_tensors(grouped: bool) -> int:
+        graphs = []
+
+        def backend(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module
+
+        torch._dynamo.reset()
+        engine = _engine(model, config, tokenizer, compile=True)
+        engine.compile_kwargs = {"fullgraph": True, "backend": backend, "dynamic": False}
+        engine.grouped_query_attention = grouped
+        engine.generate(model, prompt_ids, prompt_mask)
+        (graph,) = graphs
+        L = engine._buckets[next(iter(engine._buckets))].state.attention_mask.size(-1)
+        values = [node.meta.get("example_value") for node in graph.graph.nodes]
+        shapes = [tuple(value.shape) for value in values if isinstance(value, torch.Tensor)]
+        return sum(shape == (N, H, L, model.config.hidden_size // H) for shape in shapes)
+
+    assert repeated_cache_tensors(grouped=False) >= 2 * layers  # the check can see the copies
+    assert repeated_cache_tensors(grouped=True) == 0
+
+
+class _FailOnCall:
+    """The compiled step, failing at call `fail_at` (1-based) after it ran, as a failed CUDA-graph recording would:
+    the step's in-place updates happened, then the error."""
+
+    def __init__(self, step, fail_at: int):
+        self.step, self.fail_at, self.calls = step, fail_at, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        self.step(*args)
+        if self.calls == self.fail_at:
+            raise RuntimeError("CUDA error: operation failed during capture (injected)")
+
+
+@pytest.mark.parametrize("fail_at", [2, 3])
+def test_an_error_in_a_compiled_buckets_first_calls_falls_back_to_eager_with_the_batch_intact(
+    tokenizer, caplog, fail_at
+):
+    """Calls 2 and 3 of a compiled bucket record and first replay its CUDA graph. An error there restores the step's
+    state (the failed call's tokens, positions and cache slot are undone) and the bucket decodes the rest eagerly,
+    with one warning: the completions equal an eager run's."""
+    model = _model(tokenizer, seed=3, eos_scale=1.5)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer, max_new_tokens=8)
+    compiled = _engine(model, config, tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    failing = _FailOnCall(compiled._compiled_step(), fail_at)
+    compiled._step = failing
+    with caplog.at_level(logging.INFO, logger="grpo_hf.rollout.cuda_graph"):
+        got = compiled.generate(model, prompt_ids, prompt_mask)
+        again = compiled.generate(model, prompt_ids, prompt_mask)
+    expected = _engine(model, config, tokenizer, compile=False).generate(model, prompt_ids, prompt_mask)
+    for result in (got, again):
+        for got_tensor, expected_tensor in zip(result, expected, strict=True):
+            assert torch.equal(got_tensor, expected_tensor)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"compiled call {fail_at}" in warnings[0] and "(injected)" in warnings[0]
+    assert failing.calls == fail_at  # the second generate ran eagerly from the start
+    (bucket,) = compiled._buckets.values()
+    assert bucket.eager
+
+
+def test_a_recompile_error_asked_for_is_raised_not_caught(tokenizer):
+    model = _model(tokenizer, seed=3)
+    compiled = _engine(model, _config(tokenizer, max_new_tokens=3), tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+
+    def raises(*args):
+        raise torch._dynamo.exc.RecompileError("asked for")
+
+    compiled._step = raises
+    with pytest.raises(torch._dynamo.exc.RecompileError):
+        compiled.generate(model, *tokenize_prompts(tokenizer, PROMPTS)[:2])
+
+
+def test_the_compiled_step_leaves_the_vocabulary_sums_to_eager_kernels(tokenizer):
+    """The draw's CDF and top-p's sum over the whole vocabulary are operators of their own (`grpo_hf::inverse_cdf`,
+    `grpo_hf::cumsum`), which the compiled step calls rather than handing inductor a split scan (whose Triton code
+    failed for float64 in torch 2.11 on an H100, leaving the step eager)."""
+    model = _model(tokenizer, seed=3)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    torch._dynamo.reset()
+    compiled = _engine(model, _config(tokenizer, max_new_tokens=3, top_k=None, top_p=0.9), tokenizer, compile=True)
+    compiled.compile_kwargs = {"fullgraph": True, "backend": backend, "dynamic": False}
+    compiled.generate(model, *tokenize_prompts(tokenizer, PROMPTS)[:2])
+    (graph,) = graphs
+    targets = [str(node.target) for node in graph.graph.nodes if node.op in ("call_function", "call_method")]
+    assert "grpo_hf.inverse_cdf.default" in targets and "grpo_hf.cumsum.default" in targets
+    assert not [t for t in targets if "cumsum" in t and "grpo_hf" not in t]
+
+
+def test_lora_decodes_under_the_trainers_autocast(tokenizer):
+    """The step calls the PEFT wrapper's base model, which accelerate's autocast wrapper does not cover; the engine's
+    `autocast` puts the whole call (LoRA layers included) under the training precision, and the tokens are those of
+    the PEFT model's own forward under the same autocast (argmax, bf16)."""
+    peft = pytest.importorskip("peft")
+    model = _model(tokenizer, seed=3)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = _config(tokenizer, max_new_tokens=6)
+    torch.manual_seed(0)
+    lora_config = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, lora_config).eval()
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    seen = []
+    lora_a = lora.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    lora_a.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    engine = _engine(lora, config, tokenizer, compile=False, autocast=autocast)
+    ours = engine.generate(lora, prompt_ids, prompt_mask).completion_ids
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    without = _engine(lora, config, tokenizer, compile=False).generate(lora, prompt_ids, prompt_mask).completion_ids
+    assert set(seen) == {torch.float32}  # what the engine did before: the LoRA layers in fp32
+    with autocast():
+        reference = _reference(lora, prompt_ids, prompt_mask, config, tokenizer).completion_ids
+    assert torch.equal(ours, reference)
+    assert ours.shape == without.shape
+
+
+def test_a_transformers_that_cannot_build_the_static_layer_skips_the_engine_with_its_reason(tokenizer, monkeypatch):
+    """A later transformers 5.x adding an abstract method to `CacheLayerMixin` would make `StaticRowsLayer`
+    unbuildable; "auto" then passes to the next engine on CUDA and says why, instead of crashing at the first
+    rollout."""
+    model = _model(tokenizer)
+    config = _config(tokenizer)
+    assert cuda_graph.static_cache_reason() is None
+
+    class Newer(cuda_graph.StaticRowsLayer):  # what the engine's layer would be under such a release
+        @abc.abstractmethod
+        def crop(self, max_length: int) -> None: ...
+
+    monkeypatch.setattr(cuda_graph, "StaticRowsLayer", Newer)
+    reason = CUDAGraphEngine.unsupported_reason(model, config)
+    assert reason is not None and "transformers" in reason and "static cache layer" in reason
+    engine, why = make_engine("auto", model, config, [tokenizer.eos_token_id], device=torch.device("cuda"))
+    assert engine.name == "generate_static" and "cuda_graph: transformers" in why
+
+
+def test_engines_pass_the_cache_by_the_keyword_the_model_takes(tokenizer):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` and warns at every call with the old
+    name (one warning per decoded token); the engines use whichever the model's forward takes."""
+    import warnings
+
+    from grpo_hf.rollout.sampling import cache_keyword
+
+    model = _model(tokenizer)
+    expected = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    assert cache_keyword(model) == expected
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for name in ("cuda_graph", "loop"):
+            engine, _ = make_engine(name, model, _config(tokenizer, max_new_tokens=3), [tokenizer.eos_token_id])
+            engine.generate(model, prompt_ids, prompt_mask)

@@ -14,16 +14,24 @@ It samples what `model.generate` samples (the same processors, in the same order
   bucket seen.
 - `decode_step`: one token per row. The model gets a 4-D mask [N, 1, 1, L] (boolean for sdpa, additive for eager),
   which transformers' `masking_utils` passes through as is, plus `position_ids`; the cache writes at a device
-  index (`StaticRowsLayer`). The processors are pure tensor functions (`process_logits`: repetition penalty with a
-  [N, V] "seen" mask instead of the growing `input_ids`, temperature, top-k, top-p, min-p), the draw takes its
-  uniforms from `torch.rand` on the device, a finished row emits pad, EOS goes into a device mask. Every tensor the
-  step touches lives in `DecodeState` and is updated in place, at a fixed address, so a captured graph replays it.
+  index (`StaticRowsLayer`). Grouped-query models (Qwen2.5: 14 query heads over 2 KV heads) attend with
+  `grouped_decode_attention`: the query heads of a KV head read the cache as one group, where transformers' sdpa
+  path would repeat the whole cache per layer and token under torch.compile. The processors are pure tensor
+  functions (`process_logits`: repetition penalty with a [N, V] "seen" mask instead of the growing `input_ids`,
+  temperature, top-k, top-p, min-p); the draw takes its uniforms from `torch.rand` on the device (inductor is told
+  to call it as eager does, `fallback_random`, rather than draw float32 and cast: the compiled step draws exactly
+  what the eager one draws); a finished row emits pad; EOS goes into a device mask. Every tensor the step touches
+  lives in `DecodeState` and is updated in place, at a fixed address, so a captured graph replays it.
 - The host asks "have all rows finished?" every `check_every` tokens, and reads the answer posted at the previous
   check (`_FinishedPoll`: a non-blocking copy to pinned memory plus an event), so it never waits for a running step.
   At most ~2 x `check_every` steps run after the last row finished; their tokens are pad and are cut off.
 - Weights: the graph reads the parameters where they live, nothing copies them, so in-place optimizer updates are
   seen by the next call. `on_weights_updated` drops the buffers and the compiled step if the parameters moved.
   PEFT/LoRA: the PEFT wrapper's base model is called; its LoRA layers run inside the step (no merge).
+- Precision: the call runs under the trainer's autocast (`autocast`), also where the model called is a PEFT
+  wrapper's base model, which accelerate's autocast wrapper does not cover.
+- Failures: a compiled bucket's first calls (compile, CUDA-graph recording, first replay) run guarded; an error there
+  restores the step's state and leaves the bucket eager, with one warning (the traceback at DEBUG).
 - Compiles: Dynamo keeps one entry per bucket the step was ever compiled for, in this process (the code object is
   shared by every engine), and under `fullgraph=True` raises past its recompile limit (8 by default), which would
   stop a run at its ninth shape. The engine decodes with that limit raised to `max_compiles` (64). A compile that
@@ -33,16 +41,23 @@ It samples what `model.generate` samples (the same processors, in the same order
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import (
+    cache_keyword,
+    cumsum,
     prefill_distinct_prompts,
     resolve_sampling_settings,
     sample_categorical,
@@ -118,7 +133,7 @@ def top_k_filter(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus: -inf on the least likely tokens whose cumulative probability is <= 1 - top_p (the top one stays)."""
     sorted_scores, order = torch.sort(scores, descending=False)  # [N, V]
-    remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # [N, V] in ascending order
+    remove = cumsum(sorted_scores.softmax(dim=-1)) <= (1 - top_p)  # [N, V] in ascending order
     remove[..., -1] = False
     return scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
 
@@ -145,6 +160,56 @@ def process_logits(scores: torch.Tensor, seen: torch.Tensor | None, settings: Sa
     if settings.min_p is not None:
         scores = min_p_filter(scores, settings.min_p)
     return scores
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode attention for grouped-query models, without repeating the cache
+
+GROUPED_DECODE = "grpo_hf_grouped_decode"  # the name the attention function is registered under in transformers
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa for one query token per row, with the query heads that share a KV head attending as one group to the
+    un-repeated cache: query [N, H, 1, D] is viewed as [N, H_kv, H / H_kv, D], so the H / H_kv query heads of each KV
+    head are that head's "query positions", and the mask [N, 1, 1, L] broadcasts over both. transformers' sdpa path
+    repeats the cache H / H_kv times instead (`repeat_kv`) whenever a mask is given under torch.compile: a copy of the
+    whole cache per layer and token. Query head h belongs to KV head h // (H / H_kv), as `repeat_kv` has it.
+    Returns [N, 1, H, D] and no weights, as transformers' attention functions do."""
+    N, H, q_len, D = query.shape
+    kv_heads = key.size(1)
+    grouped = query.reshape(N, kv_heads, H // kv_heads * q_len, D)  # [N, H_kv, G, D]: q_len is 1
+    output = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )  # [N, H_kv, G, Dv]
+    return output.reshape(N, H, q_len, -1).transpose(1, 2).contiguous(), None  # [N, 1, H, Dv]
+
+
+ALL_ATTENTION_FUNCTIONS.register(GROUPED_DECODE, grouped_decode_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_DECODE, sdpa_mask)  # unused: the step passes its own 4-D mask
+
+
+def uses_grouped_queries(model) -> bool:
+    """An sdpa model with fewer KV heads than query heads (GQA, MQA): `grouped_decode_attention` applies."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config._attn_implementation == "sdpa" and heads is not None and kv_heads < heads
+
+
+@contextlib.contextmanager
+def decode_attention(model, grouped: bool):
+    """Within: the model's attention layers run `grouped_decode_attention` (when `grouped`; the config's
+    `_attn_implementation` is what they look the function up by at each call). The prefill, outside, keeps sdpa."""
+    if not grouped:
+        yield
+        return
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = GROUPED_DECODE
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,6 +245,20 @@ class StaticRowsLayer(CacheLayerMixin):
         return self.keys.size(2)
 
 
+def static_cache_reason() -> str | None:
+    """Why `StaticRowsLayer` cannot be built with the installed transformers (say, an abstract method added to
+    `CacheLayerMixin`, or a changed `Cache` constructor), or None; checked before the engine is chosen."""
+    try:
+        keys = torch.zeros((1, 1, 2, 1))  # [N, H, L, D]
+        Cache(layers=[StaticRowsLayer(keys, keys.clone(), torch.zeros(1, dtype=torch.long))])
+    except Exception as error:  # whatever the new version raises: the engine is skipped with the reason, not run
+        return (
+            f"transformers {transformers.__version__} cannot build the engine's static cache layer "
+            f"({type(error).__name__}: {error})"
+        )
+    return None
+
+
 @dataclass
 class DecodeState:
     """Every tensor the decode step reads or writes, at fixed addresses (one set per bucket, reset per call)."""
@@ -203,7 +282,8 @@ class _Bucket:
     cache: Cache
     state: DecodeState
     compiled: bool = False  # its first step has run (and compiled, its time logged)
-    eager: bool = False  # its compile failed: the step runs eagerly
+    eager: bool = False  # its compiled step failed: the step runs eagerly
+    trial_calls: int = 0  # compiled steps run under `_guarded_step` so far (warm-up, recording, first replay)
 
 
 def _mark_static(*tensors: torch.Tensor | None) -> None:
@@ -231,17 +311,20 @@ def draw(logits: torch.Tensor, state: DecodeState, settings: SamplingSettings) -
         state.seen.scatter_(1, tokens[:, None], True)
 
 
-def decode_step(model, cache: Cache, state: DecodeState, settings: SamplingSettings) -> None:
+def decode_step(
+    model, cache: Cache, state: DecodeState, settings: SamplingSettings, cache_keyword: str = "past_key_values"
+) -> None:
     """One token for every row: forward the last token, process the logits, draw. Static shapes, no host sync, no
-    data-dependent Python branch: `torch.compile(decode_step, fullgraph=True, mode="reduce-overhead")` captures it."""
+    data-dependent Python branch: `torch.compile(decode_step, fullgraph=True, mode="reduce-overhead")` captures it.
+    `cache_keyword`: the keyword the model's forward takes the cache by (`sampling.cache_keyword`)."""
     attend = True if state.attention_mask.dtype == torch.bool else 0.0
     state.attention_mask.index_fill_(-1, state.slot, attend)  # the new token sees itself
     logits = model(
         input_ids=state.input_ids,
         attention_mask=state.attention_mask,
         position_ids=state.position_ids,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword: cache},
     ).logits[:, -1]  # [N, V]
     state.slot.add_(1)
     state.position_ids.add_(1)
@@ -287,23 +370,32 @@ class CUDAGraphEngine(RolloutEngine):
     """A static KV cache and `decode_step` compiled with `mode="reduce-overhead"` (one CUDA graph per bucket).
 
     `compile`: None compiles on CUDA and runs the same step eagerly elsewhere; `compile_kwargs` are what
-    `torch.compile` gets. `prompt_bucket` rounds prompt lengths up; `check_every` is how often (in tokens) the host
-    asks whether every row has finished; `max_row_padding`: a compiled bucket takes batches of down to 1 /
-    `max_row_padding` of its rows; `max_compiles`: Dynamo's recompile limit for the step while the engine decodes
-    (unless set higher), i.e. how many shapes it may be compiled for in this process; past it, a new bucket's step
-    runs eagerly.
+    `torch.compile` gets. `autocast`: a context manager factory the whole call runs under (the trainer's
+    `accelerator.autocast`), so that the decode runs in the training precision also where the model called is not the
+    autocast-wrapped one (a PEFT wrapper's base model). `prompt_bucket` rounds prompt lengths up; `check_every` is how
+    often (in tokens) the host asks whether every row has finished; `max_row_padding`: a compiled bucket takes batches
+    of down to 1 / `max_row_padding` of its rows; `max_compiles`: Dynamo's recompile limit for the step while the
+    engine decodes (unless set higher), i.e. how many shapes it may be compiled for in this process; past it, a new
+    bucket's step runs eagerly. `trial_calls`: a compiled bucket's first calls (warm-up, CUDA-graph recording, first
+    replay) run guarded: an error there leaves the bucket eager, with the batch intact. `grouped_query_attention`:
+    decode GQA models with `grouped_decode_attention` (no copy of the cache).
     """
 
     name = "cuda_graph"
-    options = ("compile",)
+    options = ("compile", "autocast")
     prompt_bucket = 64
     check_every = 16
     max_row_padding = 4
     max_compiles = 64
+    trial_calls = 3
+    grouped_query_attention = True
 
-    def __init__(self, generation_config, eos_token_ids, compile: bool | None = None):
+    def __init__(
+        self, generation_config, eos_token_ids, compile: bool | None = None, autocast: Callable | None = None
+    ):
         super().__init__(generation_config, eos_token_ids)
         self.compile = compile
+        self.autocast = autocast or contextlib.nullcontext
         self.compile_kwargs = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
         self._buckets: dict[tuple, _Bucket] = {}  # by (family, rows, prompt slots)
         self._step = None  # the compiled decode_step, made at first use
@@ -320,7 +412,7 @@ class CUDAGraphEngine(RolloutEngine):
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in ("sdpa", "eager"):
             return f"attention {attention!r} does not take a 4-D mask as is (sdpa and eager do)"
-        return None
+        return static_cache_reason()
 
     def on_weights_updated(self, model) -> None:
         """In-place updates need nothing (the graph reads the parameters where they are); moved parameters drop the
@@ -330,25 +422,30 @@ class CUDAGraphEngine(RolloutEngine):
             self._buckets.clear()
             self._step, self._weights = None, None
 
+    @torch.no_grad()
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         model = decoder_model(model)
         self.on_weights_updated(model)
         self._weights = _weights_pointers(model)
         settings = SamplingSettings.of(model, self.generation_config)
         compiles = self._compiles(model)
-        logits, prefill, rows = _prefill(model, prompt_ids, prompt_mask)  # [U, V], cache of U rows, [N]
-        bucket = self._bucket(model, prompt_ids.shape, prefill, logits.size(-1), settings, share_rows=compiles)
-        rows = _load_prompts(bucket, prompt_ids, prompt_mask, prefill, rows)  # [N_bucket]
-        del prefill
-        draw(logits[rows], bucket.state, settings)
-        limit = max(self.max_compiles, getattr(torch._dynamo.config, _RECOMPILE_LIMIT))
-        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: limit}):
-            step = self._compiled_step() if compiles and not bucket.eager else decode_step
-            self._decode(step, model, bucket, limit)
+        with self.autocast():
+            logits, prefill, rows = _prefill(model, prompt_ids, prompt_mask)  # [U, V], cache of U rows, [N]
+            bucket = self._bucket(model, prompt_ids.shape, prefill, logits.size(-1), settings, share_rows=compiles)
+            rows = _load_prompts(bucket, prompt_ids, prompt_mask, prefill, rows)  # [N_bucket]
+            del prefill
+            draw(logits[rows], bucket.state, settings)
+            limit = max(self.max_compiles, getattr(torch._dynamo.config, _RECOMPILE_LIMIT))
+            grouped = self.grouped_query_attention and uses_grouped_queries(model)
+            # fallback_random: inductor draws torch.rand as eager does (its own kernel draws float32, then casts)
+            patches = torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: limit})
+            with patches, torch._inductor.config.patch(fallback_random=True), decode_attention(model, grouped):
+                step = self._compiled_step() if compiles and not bucket.eager else decode_step
+                self._decode(step, model, bucket, limit, cache_keyword(model))
         length = int(bucket.state.running_steps[0])  # the one sync that waits for the last step
         return bucket.state.completion_ids[: prompt_ids.size(0), :length].clone()  # [N, T]: the buffer is reused
 
-    def _decode(self, step, model, bucket: _Bucket, limit: int) -> None:
+    def _decode(self, step, model, bucket: _Bucket, limit: int, keyword: str) -> None:
         """Decode steps until max_new_tokens or until every row has finished (asked every `check_every` tokens)."""
         poll = _FinishedPoll(bucket.state.finished.device)
         for t in range(1, self.generation_config.max_new_tokens):
@@ -356,46 +453,64 @@ class CUDAGraphEngine(RolloutEngine):
                 if poll.read():
                     break
                 poll.post(bucket.state.finished)
-            if step is not decode_step and not bucket.compiled:
-                step = self._first_step(step, model, bucket, limit)
+            if step is not decode_step and bucket.trial_calls < self.trial_calls:
+                step = self._guarded_step(step, model, bucket, limit, keyword)
                 continue
-            step(model, bucket.cache, bucket.state, bucket.settings)
+            step(model, bucket.cache, bucket.state, bucket.settings, keyword)
 
-    def _first_step(self, step, model, bucket: _Bucket, limit: int):
-        """The bucket's first compiled step, which compiles: timed once for the log (a sync here is paid once). A
-        compile that fails, or one past the recompile limit, leaves the bucket eager. Returns the step to go on."""
-        rows, positions = bucket.state.attention_mask.size(0), bucket.state.attention_mask.size(-1)
+    def _guarded_step(self, step, model, bucket: _Bucket, limit: int, keyword: str):
+        """One of a compiled bucket's first `trial_calls` steps (the first compiles and is timed for the log; with
+        CUDA graphs the second records one and the third replays it). An error (a compile that fails or passes the
+        recompile limit, a failed capture, an out-of-memory in the graph pool, a failed kernel launch) restores the
+        state as it was before the step and leaves the bucket eager, with one warning: the batch goes on, eagerly.
+        Returns the step to go on with."""
+        state = bucket.state
+        saved = [(t, t.clone()) for t in (getattr(state, f.name) for f in fields(state)) if t is not None]
         start = time.perf_counter()
         try:
-            step(model, bucket.cache, bucket.state, bucket.settings)
+            step(model, bucket.cache, state, bucket.settings, keyword)
+            if state.finished.is_cuda:
+                torch.cuda.synchronize()  # a launch failure shows here, in the guard (paid for a few steps only)
         except torch._dynamo.exc.RecompileError:  # `error_on_recompile=True`: asked for, so not caught
             raise
-        except _COMPILE_ERRORS as error:  # raised before the step runs: the state is as it was
-            bucket.compiled = bucket.eager = True
-            logger.warning(
-                "cuda_graph: the decode step for %d rows x %d positions did not compile (%s: %s); it runs eagerly "
-                "for this shape. Each new shape compiles once, up to %d shapes per process "
-                "(CUDAGraphEngine.max_compiles or torch._dynamo.config.%s, whichever is higher); "
-                "TORCH_LOGS=recompiles says why each compiled",
+        except (RuntimeError, *_COMPILE_ERRORS) as error:
+            for tensor, copy in saved:
+                tensor.copy_(copy)
+            bucket.eager = True
+            self._warn_fallback(bucket, error, limit)
+            decode_step(model, bucket.cache, state, bucket.settings, keyword)
+            return decode_step
+        bucket.trial_calls += 1
+        if not bucket.compiled:
+            bucket.compiled = True
+            rows, positions = state.attention_mask.size(0), state.attention_mask.size(-1)
+            seconds = time.perf_counter() - start
+            logger.info(
+                "cuda_graph: compiled the decode step for %d rows x %d positions in %.1f s (once per bucket)",
                 rows,
                 positions,
-                type(error).__name__,
-                " ".join(str(error).strip().split("\n\n")[0].split()),  # its first paragraph
-                limit,
-                _RECOMPILE_LIMIT,
+                seconds,
             )
-            decode_step(model, bucket.cache, bucket.state, bucket.settings)
-            return decode_step
-        bucket.compiled = True
-        if bucket.state.finished.is_cuda:
-            torch.cuda.synchronize()
-        logger.info(
-            "cuda_graph: compiled the decode step for %d rows x %d positions in %.1f s (once per bucket)",
+        return step
+
+    def _warn_fallback(self, bucket: _Bucket, error: BaseException, limit: int) -> None:
+        rows, positions = bucket.state.attention_mask.size(0), bucket.state.attention_mask.size(-1)
+        stage = "compile" if not bucket.compiled else f"run (compiled call {bucket.trial_calls + 1})"
+        logger.warning(
+            "cuda_graph: the decode step for %d rows x %d positions did not %s (%s: %s); it runs eagerly for this "
+            "shape. Each new shape compiles once, up to %d shapes per process (CUDAGraphEngine.max_compiles or "
+            "torch._dynamo.config.%s, whichever is higher); TORCH_LOGS=recompiles,cudagraphs says more, and the "
+            "grpo_hf.rollout logger at DEBUG gives the traceback",
             rows,
             positions,
-            time.perf_counter() - start,
+            stage,
+            type(error).__name__,
+            " ".join(str(error).strip().split("\n\n")[0].split())[:500],  # its first paragraph
+            limit,
+            _RECOMPILE_LIMIT,
         )
-        return step
+        logger.debug("cuda_graph: the error in full", exc_info=error)
+        bucket.compiled = True
 
     def _compiles(self, model) -> bool:
         if self.compile is None:

@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import (
+    cache_keyword,
     logits_processors,
     prefill_distinct_prompts,
     resolve_sampling_settings,
@@ -131,6 +132,7 @@ def sample_groups(
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
     generation_config = resolve_sampling_settings(model, generation_config)
     processors = logits_processors(generation_config, prompt_mask)
+    forward = _Forward(model)
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
@@ -146,18 +148,24 @@ def sample_groups(
             _take_cache_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
             processors = logits_processors(generation_config, prompt_mask[rows])
-        logits = _next_logits(model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache)
+        logits = forward.next_logits(tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache)
     return sequences[:, P : P + t + 1]  # [N, T]
 
 
-def _next_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache):
-    """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache extended."""
-    output = model(
-        input_ids=tokens[:, None],
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return output.logits[:, -1].float()
+class _Forward:
+    """One decode step's forward, with the cache keyword the model takes (`cache_keyword`, looked up once)."""
+
+    def __init__(self, model):
+        self.model, self.cache_keyword = model, cache_keyword(model)
+
+    def next_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache):
+        """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache extended."""
+        output = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_keyword: cache},
+        )
+        return output.logits[:, -1].float()

@@ -5,6 +5,7 @@ its order, the settings an engine must resolve as `generate` does, and an exact 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import (
@@ -128,12 +129,53 @@ def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None)
     top is sent to the last token with p > 0. Returns `[N]` (long).
     """
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64
-    cdf = probs.to(dtype).cumsum(dim=-1)  # [N, V]
     if uniform is None:
         uniform = torch.rand((probs.size(0), 1), dtype=dtype, device=probs.device)
-    index = torch.searchsorted(cdf, uniform.to(dtype) * cdf[:, -1:], right=True).squeeze(1)  # [N]
+    return inverse_cdf(probs.to(dtype), uniform.to(dtype))
+
+
+@torch.library.custom_op("grpo_hf::inverse_cdf", mutates_args=())
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The index [N] of the first entry of each row of `probs` [N, V] whose cumulative sum exceeds `uniform` [N, 1]
+    times the row's total, kept at or below the row's last positive entry (`sample_categorical`).
+
+    An operator of its own, which `torch.compile` calls rather than lowers: inductor turns a cumulative sum over a
+    whole vocabulary row (151,936 entries for Qwen2.5) into a split scan, and its Triton code for a float64 one fails
+    in torch 2.11 ("list indices must be integers or slices, not NoneType", seen on an H100), which left the compiled
+    decode step eager. As an operator the draw runs the same eager kernels in every build, compiled or not, and is
+    captured into the CUDA graph like any other kernel.
+    """
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    index = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)  # [N]
     last_positive = probs.size(-1) - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]
     return torch.minimum(index, last_positive)
+
+
+@inverse_cdf.register_fake
+def _(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    return probs.new_empty(probs.size(0), dtype=torch.long)
+
+
+@torch.library.custom_op("grpo_hf::cumsum", mutates_args=())
+def cumsum(values: torch.Tensor) -> torch.Tensor:
+    """`values.cumsum(dim=-1)` as an operator that `torch.compile` calls rather than lowers (see `inverse_cdf`); top-p
+    sums the sorted vocabulary with it."""
+    return values.cumsum(dim=-1)
+
+
+@cumsum.register_fake
+def _(values: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(values)
+
+
+def cache_keyword(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` from transformers 5.24 on (which deprecates
+    `past_key_values` and warns at every call), `past_key_values` before."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: the older keyword, which every 5.x takes
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache):
@@ -152,8 +194,8 @@ def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch
         input_ids=unique_ids,
         attention_mask=unique_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_keyword(model): cache},
     ).logits[:, -1]  # [U, V]
     return logits, rows
