@@ -28,6 +28,8 @@ CUDA graphs are per trainer. Two modes:
     `torch.cuda.set_sync_debug_mode("warn")` (`syncs`: the synchronising operations it warns about) and once under
     `torch.profiler` (`kernels`: GPU kernels seen, inside CUDA graphs too where CUPTI reports them; `launches`:
     host-side launch calls, a CUDA graph replay counting one); `replay_decode_steps` is that call's decode steps;
+  - `step_profile` (`--profile-step`): one more optimizer step after the timed ones, under `torch.profiler`: its
+    operators by self device time, to tell where a step's time goes;
   - `status`: "ok", "oom" (a `torch.cuda.OutOfMemoryError` while building or training) or "error"; `error`.
 
 Both trainers get the same knobs as `vs_trl.py`'s worker (`_worker.common_config`, `trl_only_config`,
@@ -401,6 +403,18 @@ def build_trainer(
     )
 
 
+def step_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
+
+
+def profile_table(profiler, cuda: bool, rows: int = 30) -> str:
+    """The operators of one training step by self time on the device (CPU time on a CPU): where a step's time goes."""
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def compile_counters() -> dict:
     """torch.compile's counters in this process: what tells a lost or split CUDA graph from a slow one."""
     from torch._dynamo.utils import counters
@@ -443,13 +457,25 @@ def run(args, record: dict, save) -> None:
             torch.cuda.synchronize()
 
     class StepTimer(TrainerCallback):
+        profiler = None
+
         def on_step_begin(self, *_, **__):
+            if args.profile_step and len(record["step_seconds"]) == args.steps:  # the extra, untimed step
+                self.profiler = step_profiler(cuda)
+                self.profiler.__enter__()
+                return
             meter.new_step()
             sync()
             self.start = time.perf_counter()
 
         def on_step_end(self, *_, **__):
             sync()
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                record["step_profile"] = profile_table(self.profiler, cuda)
+                self.profiler = None
+                save()
+                return
             record["step_seconds"].append(time.perf_counter() - self.start)
             record["generate_seconds"], record["decode_steps"] = meter.seconds, meter.decode_steps
             if args.impl == "grpo_hf" and record.get("engine") is None and trainer.rollout is not None:
@@ -469,7 +495,7 @@ def run(args, record: dict, save) -> None:
                 args.impl,
                 job,
                 args.model_dir,
-                args.steps,
+                args.steps + args.profile_step,
                 args.seed,
                 engine=args.engine,
                 use_cpu=not cuda,
@@ -515,6 +541,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--extra", default="{}", help="JSON dict of extra grpo_hf config fields.")
+    parser.add_argument(
+        "--profile-step", action="store_true", help="Train one more step, untimed, under torch.profiler."
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -11,7 +11,8 @@
 #      shipped (compile time, ms/token, launches per token, a profiler kernel table, an in-place weight update that
 #      must change the tokens without a recompile), with grouped-query decode attention off, and with top-p on;
 #   3. J1 against TRL (benchmarks/gpu_vs_trl.py: grpo_hf, grpo_hf without fp32 master weights, TRL; 3 steps each),
-#      which fails a job whose CUDA graph was lost;
+#      which fails a job whose CUDA graph was lost, and one more grpo_hf step under torch.profiler (where the
+#      training half of a step goes: on the first H200 run it took 3.7 s of 4.4, against TRL's 1.4 s);
 #   4. J3 (LoRA) with grpo_hf alone, for the LoRA step against the full one.
 # Everything goes into OUT_DIR/first_run.log, and the probe's and the benchmarks' records into one
 # OUT_DIR/first_run.json.
@@ -33,12 +34,12 @@ phase() {  # phase NAME SECONDS COMMAND...: run under a time limit, everything i
     echo "$name $rc" >>"$out/phases.txt"
 }
 : >"$out/phases.txt"
-phase versions 60 python3 -c "import torch, transformers, trl, peft, accelerate, datasets; \
+phase versions 30 python3 -c "import torch, transformers, trl, peft, accelerate, datasets; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name()); \
 print('transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, \
 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
-phase probe 180 python3 benchmarks/gpu_probe.py --variants compile,top_p,no_gqa --calls 2 --json "$out/probe.json"
-phase J1 250 python3 benchmarks/gpu_vs_trl.py --jobs J1 --steps 3 --json "$out/j1.json"
+phase probe 150 python3 benchmarks/gpu_probe.py --variants compile,top_p,no_gqa --calls 2 --json "$out/probe.json"
+phase J1 280 python3 benchmarks/gpu_vs_trl.py --jobs J1 --steps 3 --profile-step --json "$out/j1.json"
 phase J3 100 python3 benchmarks/gpu_vs_trl.py --jobs J3 --steps 3 --trainers grpo_hf --json "$out/j3.json"
 python3 - "$out" <<'PY'
 import json, pathlib, sys

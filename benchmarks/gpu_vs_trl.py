@@ -105,6 +105,8 @@ def run_trainer(trainer: str, job: str, model_dir: str, args, seed: int, workdir
     options += ["--seed", str(seed), "--engine", args.engine, "--device", args.device, "--extra", json.dumps(extra)]
     if args.smoke:
         options.append("--smoke")
+    if args.profile_step and impl == "grpo_hf":
+        options.append("--profile-step")
     record, tail = call_worker(options, os.path.join(workdir, f"{job}-{trainer}-{seed}.json"))
     if record is None:
         record = {"impl": impl, "job": job, "status": "error", "error": "the worker wrote no result"}
@@ -291,6 +293,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="Seed of repetition 0; repetition r uses seed + r.")
     parser.add_argument("--grpo-hf-extra", default="{}", help="JSON dict of extra grpo_hf config fields.")
     parser.add_argument("--json", default=None, help="Also write every run and the summary to this file.")
+    parser.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="grpo_hf runs one more step, untimed, under torch.profiler; its operator table is printed and kept.",
+    )
     parser.add_argument("--workdir", default=None, help="Where the models are saved (default: a temporary dir).")
     args = parser.parse_args()
 
@@ -360,6 +367,8 @@ def main() -> None:
     print(f"\n{table(summaries, args.smoke)}\n")
     for job in jobs:
         for run in (runs[job]["grpo_hf"] or runs[job]["grpo_hf_bf16"])[:1]:
+            if run.get("step_profile"):
+                print(f"grpo_hf's profiled step, {job} (first run):\n{run['step_profile']}")
             if run.get("engine_log"):
                 print(f"grpo_hf's engine log, {job} (first run):\n  " + "\n  ".join(run["engine_log"]))
     print(
