@@ -18,6 +18,8 @@ from grpo_hf.core import check_entropy_settings, check_loss_settings
 
 logger = logging.getLogger(__name__)
 
+LOW_TEMPERATURE = 0.1  # below it, sampling is greedy in effect and the step's log-probs degenerate: a warning
+
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_sum"]
@@ -440,6 +442,13 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"temperature={self.temperature} must be > 0: GRPO samples its groups. For greedy decoding in "
                 "evaluation use the recipe's evaluation; for training use e.g. temperature=1.0."
+            )
+        if self.temperature < LOW_TEMPERATURE:
+            logger.warning(
+                f"temperature={self.temperature} is close to 0: sampling is all but greedy, so the completions of a "
+                "group come out (nearly) the same, their rewards equal and their advantages 0, and the log-probs of "
+                f"logits / {self.temperature} are degenerate (about 0 or -inf), which makes the importance ratios "
+                "meaningless. GRPO learns from sampled groups: use a temperature around 0.6-1.0 (1.0 is the default)."
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1].")

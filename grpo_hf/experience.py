@@ -53,6 +53,7 @@ class ExperienceMaker:
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
         self.completion_rows: list[dict[str, Any]] = []  # the last rollout's rows for `log_completions`
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
+        self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
 
     # ---- a training step's rollout -----------------------------------------------------------------------------
     def slices(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,7 +113,23 @@ class ExperienceMaker:
         self._record_training_rows(rollout, batch)  # counts truncated completions' tokens too (TRL)
         if args.mask_truncated_completions:
             batch["completion_mask"] = batch["completion_mask"] * (~rollout["is_truncated"]).unsqueeze(1).long()
+            self._warn_if_all_masked(rollout["is_truncated"])
         return batch
+
+    def _warn_if_all_masked(self, is_truncated: torch.Tensor) -> None:
+        """mask_truncated_completions with every completion of a rollout truncated trains on nothing: say so (the
+        1st, 2nd, 4th, 8th, ... time, with the count)."""
+        if not bool(is_truncated.all()):
+            return
+        self.all_masked_rollouts += 1
+        count = self.all_masked_rollouts
+        if count & (count - 1) == 0:
+            logger.warning(
+                f"Every completion of this rollout ({is_truncated.numel()} on this process) reached "
+                f"max_completion_length={self.trainer.args.max_completion_length} without an EOS, and "
+                "mask_truncated_completions=True masks them all: the step trains on nothing (the policy term is 0). "
+                f"Raise max_completion_length or set mask_truncated_completions=False. ({count} such rollouts so far)"
+            )
 
     def _record_training_rows(self, rollout: dict[str, Any], batch: dict[str, Any]) -> None:
         """The token count (`num_tokens`) and, with `log_completions`, the rows to print at the next log."""

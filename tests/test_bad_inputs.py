@@ -7,7 +7,9 @@ model, tokenizer, reward functions, config fields, datasets, other trainer argum
   matches `regex` (which names the field, argument or dataset row); `raises(..., when="train")`: the trainer builds and
   the first training step raises it (for what only a rollout can show: a reward function's return values);
 - `runs()`: one training step completes with a finite loss (`check` may assert more);
-- `builds()`: the trainer builds (for accepted inputs whose check runs at construction; nothing is trained).
+- `builds()`: the trainer builds (for accepted inputs whose check runs at construction; nothing is trained);
+- `warns(regex)`: building the config and the trainer logs a warning that matches `regex`; `warns(..., when="train")`:
+  one training step runs and logs it (an input that is accepted but would train on nothing, silently).
 
 A new kind of bad input is one more row. Every trainer here is tiny (one layer of width 16, two completions of two
 tokens), so construction rows take milliseconds and run rows about a second.
@@ -20,6 +22,7 @@ import decimal
 import fractions
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,7 +159,7 @@ def both(*changes: Change) -> Change:
 
 @dataclass(frozen=True)
 class Expect:
-    kind: str  # "raises" | "runs" | "builds"
+    kind: str  # "raises" | "runs" | "builds" | "warns"
     error: type[BaseException] | None = None
     match: str = ""
     when: str = "build"
@@ -173,6 +176,10 @@ def runs(check: Callable | None = None) -> Expect:
 
 def builds(check: Callable | None = None) -> Expect:
     return Expect("builds", check=check)
+
+
+def warns(match: str, when: str = "build") -> Expect:
+    return Expect("warns", match=match, when=when)
 
 
 @dataclass(frozen=True)
@@ -730,6 +737,12 @@ CONFIG = [
         raises(TypeError, r"args must be a GRPOConfig, got TrainingArguments"),
     ),
     Case("scale_rewards=True (TRL)", config(scale_rewards=True), builds(lambda t: t.args.scale_rewards == "group")),
+    Case("temperature=1e-8", config(temperature=1e-8), warns(r"temperature=1e-08 is close to 0.*around 0\.6-1\.0")),
+    Case(
+        "mask_truncated_completions, every completion truncated",
+        config(mask_truncated_completions=True, max_completion_length=1),
+        warns(r"reached max_completion_length=1 without an EOS.*trains on nothing", when="train"),
+    ),
     Case("beta > 0 builds a reference model", config(beta=0.04), runs(lambda t: t.ref_model is not None)),
 ]
 
@@ -916,10 +929,17 @@ def test_the_catalogue_is_large_and_ids_are_unique():
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
-def test_bad_input(case: Case, tmp_path):
+def test_bad_input(case: Case, tmp_path, caplog):
     setup = Setup(tmp_path)
     case.change(setup)
     expected = case.expected
+    if expected.kind == "warns":
+        with caplog.at_level("WARNING", logger="grpo_hf"):
+            trainer = setup.build()
+            if expected.when == "train":
+                trainer.train()
+        assert re.search(expected.match, caplog.text), caplog.text
+        return
     if expected.kind == "raises" and expected.when == "build":
         with pytest.raises(Exception) as info:
             setup.build()

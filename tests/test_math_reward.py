@@ -110,6 +110,21 @@ def test_different_answers_score_zero(reward, gold, prediction):
     assert reward(["q"], [f"Therefore the answer is $\\boxed{{{prediction}}}$."], answer=[gold]) == [0.0]
 
 
+def test_an_answer_cut_off_inside_its_braces_is_no_answer(reward):
+    """A completion that stops inside `\boxed{...}` (max_completion_length, say) never gave its answer: 0.0, even when
+    what is there would parse as the gold; an earlier finished answer still counts, and escaped braces are text."""
+    completions = [
+        r"\boxed{\frac{1}{2",
+        r"So the answer is \boxed{\frac{1}{2",
+        r"#### \frac{1}{2",
+        r"The answer is \boxed{\frac{1}{2}}. To check: \boxed{\frac{1}{",
+        r"The answer is $\{1, 2\}$.",
+    ]
+    golds = [r"\frac{1}{2}"] * 4 + [r"\{1, 2\}"]
+    assert [extract_latex_answer(c) for c in completions] == [None, None, None, r"\frac{1}{2}", r"\{1, 2\}"]
+    assert reward(["q"] * 5, completions, answer=golds) == [0.0, 0.0, 0.0, 1.0, 1.0]
+
+
 def test_missing_answers_and_unusable_golds(reward):
     completions = [r"\boxed{\frac12}", "I am not sure.", r"\boxed{1}", r"\boxed{1}"]
     golds = [r"The answer is $\boxed{0.5}$", r"\frac12", None, ""]

@@ -604,6 +604,35 @@ def test_timeout_async():
     }
 
 
+def test_a_reward_function_still_running_without_a_timeout_is_reported_by_name(monkeypatch, caplog):
+    """reward_timeout=None (the default) sets no limit, so a function that never returns would hang the run without
+    a word: every STILL_RUNNING_AFTER seconds a warning names it (sync, and async ones together) and says how to
+    bound it. A function that returns in time, or one under a timeout, is not reported."""
+    from grpo_hf.rewards import calling
+
+    monkeypatch.setattr(calling, "STILL_RUNNING_AFTER", 0.1)
+
+    def stuck(prompts, completions, **kwargs):
+        time.sleep(0.35)
+        return [1.0] * len(completions)
+
+    async def stuck_async(prompts, completions, **kwargs):
+        await asyncio.sleep(0.25)
+        return [1.0] * len(completions)
+
+    with caplog.at_level("WARNING", logger="grpo_hf.rewards.calling"):
+        rewards, _ = compute_rewards([stuck, stuck_async, constant_reward], PROMPTS, COMPLETIONS)
+    assert rewards == [[1.0, 1.0, 0.5]] * 3
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("'stuck' has been running" in m for m in messages) >= 2  # reported again while it runs
+    assert any("'stuck_async' has been running" in m for m in messages)
+    assert all("reward_timeout=None" in m and "constant_reward" not in m for m in messages)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_hf.rewards.calling"):
+        compute_rewards([stuck, constant_reward], PROMPTS, COMPLETIONS, timeout=5)
+    assert not caplog.records
+
+
 def test_compute_rewards_argument_checks():
     with pytest.raises(ValueError, match="error_policy"):
         compute_rewards([constant_reward], PROMPTS, COMPLETIONS, error_policy="ignore")

@@ -14,6 +14,7 @@ of the call, a column of the completions table) and `log_metric(name, value)` (a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -21,6 +22,7 @@ import math
 import numbers
 import os
 import threading
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +45,38 @@ _ERROR_POLICIES = ("raise", "skip")
 
 class _RewardTimeout(Exception):
     pass
+
+
+STILL_RUNNING_AFTER = 60.0  # seconds: with reward_timeout=None, a call still running then (and every as long after)
+# is reported, naming the functions, since nothing else would stop or show a reward function that never returns
+
+
+@contextlib.contextmanager
+def _report_if_still_running(names: list[str], n: int, timeout: float | None):
+    """Within: with no timeout, warn every `STILL_RUNNING_AFTER` seconds that the call of `names` on n completions is
+    still running (a watchdog thread; with a timeout the call is bounded and nothing is needed)."""
+    if timeout is not None:
+        yield
+        return
+    done = threading.Event()
+    started = time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(STILL_RUNNING_AFTER):
+            logger.warning(
+                "Reward function %s has been running for %.0f s on %d completions, and reward_timeout=None sets no "
+                "limit: is it stuck? Set reward_timeout (seconds per call) to stop such a call, with "
+                "reward_error_policy='skip' to score it None and go on.",
+                " and ".join(repr(name) for name in names), time.monotonic() - started, n,
+            )  # fmt: skip
+
+    watcher = threading.Thread(target=watch, name="grpo_hf-reward-watchdog", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 class _Outcome:
@@ -438,15 +472,17 @@ def _call_each(reward_funcs, names, kwargs, n, timeout, error_policy, logs, stor
     for j, func in enumerate(reward_funcs):
         if not is_async[j]:
             call_kwargs, log = binds[j](kwargs, 0, n)
-            batch = _with_log(_sync_outcome(func, call_kwargs, timeout), log)
+            with _report_if_still_running([names[j]], n, timeout):
+                batch = _with_log(_sync_outcome(func, call_kwargs, timeout), log)
             per_sample = functools.partial(_sync_per_sample, func, kwargs, n, timeout, binds[j])
             store(j, *_resolve(names[j], batch, per_sample, kwargs, n, timeout, error_policy))
     async_idx = [j for j in range(len(reward_funcs)) if is_async[j]]
     if async_idx:
         calls = [binds[j](kwargs, 0, n) for j in async_idx]
-        outcomes = _run_coroutine(
-            _gather_outcomes([(reward_funcs[j], kw) for j, (kw, _) in zip(async_idx, calls, strict=True)], timeout)
-        )
+        with _report_if_still_running([names[j] for j in async_idx], n, timeout):
+            outcomes = _run_coroutine(
+                _gather_outcomes([(reward_funcs[j], kw) for j, (kw, _) in zip(async_idx, calls, strict=True)], timeout)
+            )
         for j, batch, (_, log) in zip(async_idx, outcomes, calls, strict=True):
             per_sample = functools.partial(_async_per_sample, reward_funcs[j], kwargs, n, timeout, binds[j])
             store(j, *_resolve(names[j], _with_log(batch, log), per_sample, kwargs, n, timeout, error_policy))

@@ -11,8 +11,10 @@ off) and asks math-verify whether it equals the gold:
 - "answer is" / "answer:": the math span that follows (`$...$`, `\(...\)`, `\[...\]`), or, when a number or math
   starts directly, the text up to the end of the sentence or the first plain word of 2+ letters ("12, as shown").
 
-Surrounding `$`/`\(`/`\[` delimiters and a final full stop are removed. The gold (column `answer` by default) is
-read the same way when it holds a marker (a full MATH solution with its `\boxed{}`), else taken whole.
+An answer that leaves a brace open (`\boxed{\frac{1}{2`: the completion was cut off inside it) is no answer, and
+scores 0.0 whatever it would parse as. Surrounding `$`/`\(`/`\[` delimiters and a final full stop are removed. The
+gold (column `answer` by default) is read the same way when it holds a marker (a full MATH solution with its
+`\boxed{}`), else taken whole.
 
 Equivalence is math-verify's `verify(gold, prediction)` on `\boxed{...}`-wrapped answers (fractions = decimals,
 `\dfrac` = `\frac`, simplified radicals, intervals, sets, equations `x = 5` against `5`, units and `^\circ` dropped,
@@ -76,8 +78,25 @@ def _unwrap(answer: str) -> str | None:
     return answer or None
 
 
+def _braces_balanced(answer: str) -> bool:
+    r"""Whether every `{` of the answer is closed (escaped `\{` `\}` aside): `oxed{rac{1}{2` is an answer the
+    model never finished, not `rac{1}{2}`."""
+    depth = 0
+    for char in answer.replace("\\{", "").replace("\\}", ""):
+        depth += (char == "{") - (char == "}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
 def _read_latex_marker(text: str, kind: str, start: int, limit: int) -> tuple[int, str | None] | None:
-    """Like `answers._read_marker`, returning the answer text instead of a number."""
+    """Like `answers._read_marker`, returning the answer text instead of a number; a marker whose answer leaves a
+    brace open (cut off inside `\boxed{...}`, say) reads as no marker."""
+    read = _read_latex_marker_text(text, kind, start, limit)
+    return None if read is None or (read[1] is not None and not _braces_balanced(read[1])) else read
+
+
+def _read_latex_marker_text(text: str, kind: str, start: int, limit: int) -> tuple[int, str | None] | None:
     if kind == "boxed":
         close = _closing_brace(text, start, limit)
         return None if close < 0 else (close + 1, _unwrap(text[start:close]))
