@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import set_seed
 
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
 from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
@@ -114,6 +115,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         args = _config_or_default(args, model)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
+        set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
         model, ref_model, processing_class = build_models(
             model,
             processing_class,
