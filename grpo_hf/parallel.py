@@ -12,7 +12,8 @@ first step, a dataset that differs between processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,38 @@ def is_zero3(accelerator) -> bool:
     """Whether DeepSpeed ZeRO-3 shards the parameters (a forward outside the engine's must gather them first)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3
+
+
+def is_fsdp2(accelerator) -> bool:
+    """Whether the model is sharded by FSDP2 (`fully_shard`: DTensor parameters, one shard unit per wrapped module)."""
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+@contextlib.contextmanager
+def fsdp2_gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP2 shard unit of `model` all-gathered once for the whole block, and resharded at its end.
+
+    Generation calls the model once per token; FSDP2 would gather each unit's weights in every forward and free them
+    after it, so a rollout would cost (units x tokens) all-gathers. Here it costs one per unit, whatever the length,
+    and each process holds the full weights for the block's duration (as ZeRO-3's gathered generation does). The
+    units' own reshard-after-forward settings are restored afterwards (FSDP2 keeps them on its parameter groups).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    saved = [group.post_forward_mesh_info for group in groups]  # None: the unit stays gathered after a forward
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for group, info in zip(groups, saved, strict=True):
+            group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()
 
 
 def sum_over_processes(accelerator, value: int) -> int:

@@ -1,0 +1,234 @@
+"""GRPO under real FSDP2 against DDP, on 2 CPU processes (gloo), in one launch:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/sharded.py OUT.pt
+
+Each case of `CASES` trains the same tiny model for 3 steps twice, under DDP and under FSDP2 (accelerate's own
+FSDP2 code path: `fully_shard` per decoder layer and on the root, DTensor shards), with the real rollout engines
+sampling the completions. Process 0 writes, per case and layout: the per-step losses, rewards and KLs, the last
+rollout's reference log-probs (gathered), how many all-gathers each rollout's generation made, and whether the
+parameters were DTensors. Then, under FSDP2 only: a resume from a sharded checkpoint, the unshards per rollout at
+two completion lengths, and `save_model` with a sharded state dict followed by `from_pretrained`.
+"""
+
+import copy
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+from datasets import Dataset
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
+
+from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown  # noqa: E402
+
+from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+
+STEPS, G = 3, 4
+CASES = {  # name -> settings; every case runs under DDP and FSDP2
+    "beta": dict(beta=0.04),  # a separate reference model, sharded like the policy
+    "beta0": dict(beta=0.0, loss_type="bnpo", rollout_engine="generate"),  # model.generate; bnpo: a non-zero loss
+    "iterations": dict(num_iterations=2),
+    "lora": dict(beta=0.04, lora=True),  # the reference is the policy with its adapters off
+    "steps_per_generation": dict(steps_per_generation=2),
+}
+FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+
+
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate keep the FSDP plugin it was given on CPU. The harness's patch, not the library's: accelerate
+    enables FSDP only for accelerator devices (`AcceleratorState.__init__` ignores the plugin and picks
+    `DistributedType.MULTI_CPU`, i.e. DDP), yet `fully_shard` and accelerate's FSDP2 code run on gloo. Without
+    this, an "FSDP" run on this CPU machine is silently DDP and nothing sharded is tested."""
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        if not AcceleratorState._shared_state:  # a fresh state (`build_trainer`): start from the process's own type
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            # as accelerate does on a GPU: later `AcceleratorState()` calls copy PartialState's type over their own
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    AcceleratorState.__init__ = patched
+
+
+class AllGathers:
+    """Counts FSDP2's parameter all-gathers (one per shard unit each time it is unsharded)."""
+
+    count = 0
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+        gather = module.foreach_all_gather
+
+        def counted(*args, **kwargs):
+            cls.count += 1
+            return gather(*args, **kwargs)
+
+        module.foreach_all_gather = counted
+
+
+def reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def build_trainer(run_dir: Path, lora: bool = False, **settings) -> GRPOTrainer:
+    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator (DDP or FSDP2) per trainer
+    GradientState._reset_state()
+    os.environ.pop("ACCELERATE_USE_FSDP", None)  # an Accelerator given an FSDP plugin sets it, for every later one
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=5)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    common = dict(
+        output_dir=str(run_dir),
+        num_generations=G,
+        per_device_train_batch_size=G,  # one group per process
+        max_completion_length=6,
+        max_steps=STEPS,
+        learning_rate=3e-2,
+        shuffle_dataset=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+    )
+    args = GRPOConfig(**{**common, **settings})
+    dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(6)]})
+    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+
+
+def count_generation_gathers(trainer: GRPOTrainer) -> list[int]:
+    """Record the FSDP2 all-gathers made inside each rollout's `model_for_generation` block, one entry per rollout."""
+    counts: list[int] = []
+    original = trainer.experience.model_for_generation
+
+    @contextmanager
+    def counting():
+        before = AllGathers.count
+        with original() as model:
+            yield model
+        counts.append(AllGathers.count - before)
+
+    trainer.experience.model_for_generation = counting
+    return counts
+
+
+def history(trainer: GRPOTrainer) -> dict[str, list[float]]:
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    return {key: [h.get(key, 0.0) for h in rows] for key in ("loss", "reward", "kl")}
+
+
+def train_case(name: str, fsdp: bool, out_dir: Path) -> dict:
+    settings = dict(CASES[name], **(FSDP2 if fsdp else {}))
+    trainer = build_trainer(out_dir / f"{name}-{fsdp}", **settings)
+    adapters = [p.detach().sum() for n, p in trainer.model.named_parameters() if "lora_A" in n]  # before prepare
+    gathers = count_generation_gathers(trainer)
+    trainer.train()
+    ref_logps = None
+    if trainer.args.beta != 0.0:
+        ref_logps = trainer.accelerator.gather(torch.cat([part["ref_logps"] for part in trainer._buffer]))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    return {
+        **history(trainer),
+        "ref_logps": ref_logps,
+        "gathers": gathers,
+        "dtensor": all(type(p).__name__ == "DTensor" for p in params),
+        "adapters": trainer.accelerator.gather(torch.stack(adapters)[None]) if adapters else None,  # [processes, n]
+        "trainer": trainer,
+    }
+
+
+class StopAfter(TrainerCallback):
+    """Stops a run after `step` (the checkpoint of that step is written first): a run cut short."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def resume_from_sharded_checkpoint(out_dir: Path) -> dict[str, list[float]]:
+    """FSDP2: a 3-step run cut after step 2, where it saved a sharded checkpoint, resumed by a new trainer."""
+    run_dir = out_dir / "resume"
+    cut = build_trainer(run_dir, **CASES["beta"], **FSDP2, save_strategy="steps", save_steps=2)
+    cut.add_callback(StopAfter(2))
+    cut.train()
+    trainer = build_trainer(run_dir, **CASES["beta"], **FSDP2)
+    trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+    return history(trainer)
+
+
+def gathers_per_rollout(out_dir: Path, lengths=(4, 16)) -> dict[int, list[int]]:
+    """FSDP2: the all-gathers of one rollout's generation at each `max_completion_length`."""
+    found = {}
+    for T in lengths:
+        trainer = build_trainer(out_dir / f"length{T}", **FSDP2, max_completion_length=T, max_steps=1)
+        gathers = count_generation_gathers(trainer)
+        trainer.train()
+        found[T] = gathers
+    return found
+
+
+def load_saved(save_dir: Path, lora: bool):
+    """What `save_model` wrote, loaded as a user would: the model, or the base model with the LoRA adapter."""
+    if not lora:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(save_dir)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(build_tiny_model(build_tiny_tokenizer(), seed=5), save_dir)
+
+
+def saved_model_logits(trainer: GRPOTrainer, save_dir: Path, lora: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`save_model` under FSDP2 with a sharded state dict; the trained model's logits on fixed ids, and (process 0)
+    those of the model loaded from what was saved."""
+    trainer.save_model(str(save_dir))
+    trainer.accelerator.wait_for_everyone()
+    input_ids = torch.arange(10, 30).view(2, 10)  # [2, 10]
+    with torch.no_grad():
+        trained = trainer.model(input_ids=input_ids).logits  # a sharded forward: every process takes part
+    if not trainer.accelerator.is_main_process:
+        return trained, None
+    with torch.no_grad():
+        return trained, load_saved(save_dir, lora)(input_ids=input_ids).logits
+
+
+def main(out_path: str) -> None:
+    allow_fsdp_on_cpu()
+    AllGathers.install()
+    out_dir = Path(out_path).parent
+    results: dict = {"cases": {}}
+    for name in CASES:
+        ddp, fsdp = train_case(name, False, out_dir), train_case(name, True, out_dir)
+        if name in ("beta", "lora"):
+            results[f"saved_{name}"] = saved_model_logits(fsdp["trainer"], out_dir / f"final-{name}", name == "lora")
+        for run in (ddp, fsdp):
+            run.pop("trainer")
+        results["cases"][name] = {"ddp": ddp, "fsdp": fsdp}
+    results["resumed"] = resume_from_sharded_checkpoint(out_dir)
+    results["gathers_per_rollout"] = gathers_per_rollout(out_dir)
+    if torch.distributed.get_rank() == 0:
+        torch.save(copy.deepcopy(results), out_path)
+    torch.distributed.barrier()  # leave together: a rank that exits while gloo has the other connected can abort
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    exit_without_teardown()
