@@ -219,9 +219,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         (`precision.PrecisionGuard`; DeepSpeed and fp16 loss scaling manage precision themselves)."""
         optimizer = super().create_optimizer(model)
         if self.precision_guard is None:
-            managed = self.is_deepspeed_enabled or self.accelerator.scaler is not None
             record = lambda fraction: self._metrics["train"]["precision/lost_updates"].append(fraction)  # noqa: E731
-            self.precision_guard = PrecisionGuard.from_config(optimizer, self.args, managed=managed, record=record)
+            deepspeed, scaler = self.is_deepspeed_enabled, self.accelerator.scaler
+            self.precision_guard = PrecisionGuard.from_config(optimizer, self.args, deepspeed, scaler, record=record)
             logger.info(self.precision_guard.describe())
         return optimizer
 

@@ -1,11 +1,13 @@
-"""Sharded training for real: FSDP2 on 2 CPU processes (gloo) trains the same model as DDP.
+"""Sharded training for real: FSDP2 and DeepSpeed ZeRO-2/3 on 2 CPU processes (gloo) train the same model as DDP.
 
-One launch of `tests/distributed/sharded.py` (both layouts, every case, about 15 s) serves every test here: per-step
+One launch of `tests/distributed/sharded.py` (every layout and case, about 20 s) serves every test here: per-step
 losses, rewards and KLs equal DDP's for full fine-tuning (beta 0.04 with a separate, sharded reference; beta 0 with
 `model.generate`), `num_iterations=2`, `steps_per_generation=2` and LoRA; generation gathers the weights a fixed number
 of times per rollout, not per token; a sharded checkpoint resumes exactly; `save_model` writes a model that loads.
+The ZeRO tests need the optional extra `pip install deepspeed` and are skipped without it.
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +34,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp2_trains_the_model_ddp_trains(results, case):
     ddp, fsdp = results["cases"][case]["ddp"], results["cases"][case]["fsdp"]
-    assert fsdp["dtensor"] and not ddp["dtensor"]  # really sharded, and really not
+    assert fsdp["sharded"] and not ddp["sharded"]  # DTensor shards, and really not
     assert len(ddp["loss"]) == len(fsdp["loss"]) == STEPS
     assert fsdp["reward"] == ddp["reward"]  # the same completions were sampled at every step
     assert torch.allclose(torch.tensor(fsdp["loss"]), torch.tensor(ddp["loss"]), rtol=0, atol=1e-6)
@@ -40,6 +42,25 @@ def test_fsdp2_trains_the_model_ddp_trains(results, case):
     assert any(abs(loss) > 1e-4 for loss in ddp["loss"])  # a comparison of non-trivial values
     if ddp["ref_logps"] is not None:  # beta != 0: the reference (a sharded copy, or the adapters off) agrees
         assert torch.allclose(fsdp["ref_logps"], ddp["ref_logps"], rtol=0, atol=1e-5)
+        assert fsdp["reference_sharded"] == (not CASES[case].get("lora"))  # LoRA: no copy, the adapters switched off
+
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_trains_the_model_ddp_trains(results, stage):
+    """accelerate's DeepSpeed path (DeepSpeed's CPU accelerator, the trainer's AdamW), beta 0.04: ZeRO-3 partitions
+    the policy and the reference (every tensor), ZeRO-2 neither; the final save loads and gives the trained logits."""
+    ddp, zero = results["cases"]["beta"]["ddp"], results["cases"]["beta"][f"zero{stage}"]
+    assert zero["sharded"] == zero["reference_sharded"] == (stage == 3)
+    assert zero["reward"] == ddp["reward"]
+    assert torch.allclose(torch.tensor(zero["loss"]), torch.tensor(ddp["loss"]), rtol=0, atol=1e-6)
+    assert torch.allclose(torch.tensor(zero["kl"]), torch.tensor(ddp["kl"]), rtol=0, atol=1e-6)
+    assert torch.allclose(zero["ref_logps"], ddp["ref_logps"], rtol=0, atol=1e-5)
+    trained, loaded = results[f"saved_zero{stage}"]
+    assert torch.allclose(loaded, trained, rtol=0, atol=1e-6)
 
 
 def test_lora_adapters_agree_across_processes(results):

@@ -11,6 +11,7 @@ two completion lengths, and `save_model` with a sharded state dict followed by `
 """
 
 import copy
+import importlib.util
 import os
 import sys
 from contextlib import contextmanager
@@ -39,6 +40,26 @@ CASES = {  # name -> settings; every case runs under DDP and FSDP2
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
 
 
+def zero(stage: int) -> dict:
+    """Settings for accelerate's DeepSpeed path at ZeRO `stage`, with the trainer's torch AdamW (DeepSpeed's CPU
+    accelerator: no ops are built). `use_cpu=False`: accelerate takes DeepSpeed only then (see
+    `allow_deepspeed_on_cpu`)."""
+    config = {
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "stage3_param_persistence_threshold": 0,  # partition every tensor (by default, small ones stay whole)
+        },
+        "zero_allow_untested_optimizer": True,
+        **dict.fromkeys(["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"], "auto"),
+        "gradient_clipping": "auto",
+    }
+    return dict(deepspeed=config, use_cpu=False)
+
+
+LAYOUTS = {"ddp": {}, "fsdp": FSDP2}
+
+
 def allow_fsdp_on_cpu() -> None:
     """Let accelerate keep the FSDP plugin it was given on CPU. The harness's patch, not the library's: accelerate
     enables FSDP only for accelerator devices (`AcceleratorState.__init__` ignores the plugin and picks
@@ -57,6 +78,22 @@ def allow_fsdp_on_cpu() -> None:
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     AcceleratorState.__init__ = patched
+
+
+def allow_deepspeed_on_cpu() -> None:
+    """Let accelerate's DeepSpeed path run on CPU processes (gloo). The harness's patch: accelerate takes DeepSpeed
+    only without `cpu`, and without `cpu` it finds no accelerator, so `PartialState` counts one process
+    (`DistributedType.NO`) although DeepSpeed's `init_distributed` set up a process group of two. Here the backend
+    choice falls back to the CPU one (gloo, MULTI_CPU), after which accelerate switches to DEEPSPEED as on a GPU."""
+    prepare = PartialState._prepare_backend
+
+    def patched(self, cpu=False, sagemaker_dp=False, backend=None):
+        found = prepare(self, cpu, sagemaker_dp, backend)
+        if found[1] == DistributedType.NO and not cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+            return prepare(self, True, sagemaker_dp, backend)
+        return found
+
+    PartialState._prepare_backend = patched
 
 
 class AllGathers:
@@ -133,9 +170,13 @@ def history(trainer: GRPOTrainer) -> dict[str, list[float]]:
     return {key: [h.get(key, 0.0) for h in rows] for key in ("loss", "reward", "kl")}
 
 
-def train_case(name: str, fsdp: bool, out_dir: Path) -> dict:
-    settings = dict(CASES[name], **(FSDP2 if fsdp else {}))
-    trainer = build_trainer(out_dir / f"{name}-{fsdp}", **settings)
+def is_sharded(param: torch.Tensor) -> bool:
+    """A DTensor shard (FSDP2), or a ZeRO-3 partition (the local tensor emptied, the values in DeepSpeed's shards)."""
+    return type(param).__name__ == "DTensor" or (hasattr(param, "ds_numel") and param.numel() == 0)
+
+
+def train_case(name: str, layout: str, out_dir: Path) -> dict:
+    trainer = build_trainer(out_dir / f"{name}-{layout}", **CASES[name], **LAYOUTS[layout])
     adapters = [p.detach().sum() for n, p in trainer.model.named_parameters() if "lora_A" in n]  # before prepare
     gathers = count_generation_gathers(trainer)
     trainer.train()
@@ -147,7 +188,8 @@ def train_case(name: str, fsdp: bool, out_dir: Path) -> dict:
         **history(trainer),
         "ref_logps": ref_logps,
         "gathers": gathers,
-        "dtensor": all(type(p).__name__ == "DTensor" for p in params),
+        "sharded": all(is_sharded(p) for p in params),
+        "reference_sharded": trainer.ref_model is not None and all(map(is_sharded, trainer.ref_model.parameters())),
         "adapters": trainer.accelerator.gather(torch.stack(adapters)[None]) if adapters else None,  # [processes, n]
         "trainer": trainer,
     }
@@ -187,6 +229,11 @@ def gathers_per_rollout(out_dir: Path, lengths=(4, 16)) -> dict[int, list[int]]:
 
 def load_saved(save_dir: Path, lora: bool):
     """What `save_model` wrote, loaded as a user would: the model, or the base model with the LoRA adapter."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # A user loads it in a new process. Here the trainer's ZeRO-3 config is still registered with transformers, and
+    # from_pretrained would partition the model (a collective that process 0 alone would enter, and wait in for ever).
+    unset_hf_deepspeed_config()
     if not lora:
         from transformers import AutoModelForCausalLM
 
@@ -216,7 +263,7 @@ def main(out_path: str) -> None:
     out_dir = Path(out_path).parent
     results: dict = {"cases": {}}
     for name in CASES:
-        ddp, fsdp = train_case(name, False, out_dir), train_case(name, True, out_dir)
+        ddp, fsdp = train_case(name, "ddp", out_dir), train_case(name, "fsdp", out_dir)
         if name in ("beta", "lora"):
             results[f"saved_{name}"] = saved_model_logits(fsdp["trainer"], out_dir / f"final-{name}", name == "lora")
         for run in (ddp, fsdp):
@@ -224,6 +271,14 @@ def main(out_path: str) -> None:
         results["cases"][name] = {"ddp": ddp, "fsdp": fsdp}
     results["resumed"] = resume_from_sharded_checkpoint(out_dir)
     results["gathers_per_rollout"] = gathers_per_rollout(out_dir)
+    if importlib.util.find_spec("deepspeed") is not None:  # the optional extra: last, it leaves DeepSpeed set up
+        allow_deepspeed_on_cpu()
+        for stage in (2, 3):
+            LAYOUTS[f"zero{stage}"] = zero(stage)
+            run = train_case("beta", f"zero{stage}", out_dir)
+            saved = saved_model_logits(run.pop("trainer"), out_dir / f"final-zero{stage}", False)
+            results[f"saved_zero{stage}"] = saved
+            results["cases"]["beta"][f"zero{stage}"] = run
     if torch.distributed.get_rank() == 0:
         torch.save(copy.deepcopy(results), out_path)
     torch.distributed.barrier()  # leave together: a rank that exits while gloo has the other connected can abort
