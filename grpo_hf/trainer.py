@@ -46,7 +46,7 @@ from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
 from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.parallel import average_gradients, check_same_dataset, sum_over_processes
+from grpo_hf.parallel import average_gradients, check_same_dataset, prepare_reference, sum_over_processes
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
@@ -183,8 +183,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self.add_callback(AfterOptimizerStep(self))
 
     def _place_models(self, ref_model):
-        """Reward models to the device; the reference model prepared like the policy (DeepSpeed / FSDP / device
-        placement) and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
+        """Reward models to the device; the reference model prepared like the policy (`parallel.prepare_reference`)
+        and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, ref_model):
                 if model is not None:
@@ -192,17 +192,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         for func in self.reward_funcs:
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
                 func.model.to(self.accelerator.device)
-        if ref_model is None:
-            return None
-        if self.is_deepspeed_enabled:
-            from trl.models.utils import prepare_deepspeed
-
-            return prepare_deepspeed(ref_model, self.accelerator)
-        if self.is_fsdp_enabled:
-            from trl.models.utils import prepare_fsdp
-
-            return prepare_fsdp(ref_model, self.accelerator)
-        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        return None if ref_model is None else prepare_reference(ref_model, self.accelerator)
 
     @property
     def aux_loss_enabled(self) -> bool:

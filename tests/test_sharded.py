@@ -43,6 +43,8 @@ def test_fsdp2_trains_the_model_ddp_trains(results, case):
     if ddp["ref_logps"] is not None:  # beta != 0: the reference (a sharded copy, or the adapters off) agrees
         assert torch.allclose(fsdp["ref_logps"], ddp["ref_logps"], rtol=0, atol=1e-5)
         assert fsdp["reference_sharded"] == (not CASES[case].get("lora"))  # LoRA: no copy, the adapters switched off
+        if not CASES[case].get("lora"):  # each decoder layer a unit, as the policy's: gathered one at a time
+            assert fsdp["reference_units"] >= 3  # 2 decoder layers and the root
 
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install deepspeed")

@@ -175,6 +175,13 @@ def is_sharded(param: torch.Tensor) -> bool:
     return type(param).__name__ == "DTensor" or (hasattr(param, "ds_numel") and param.numel() == 0)
 
 
+def shard_units(model) -> int:
+    """How many FSDP2 shard units `model` has (0 for None or a model FSDP2 does not shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return 0 if model is None else sum(isinstance(module, FSDPModule) for module in model.modules())
+
+
 def train_case(name: str, layout: str, out_dir: Path) -> dict:
     trainer = build_trainer(out_dir / f"{name}-{layout}", **CASES[name], **LAYOUTS[layout])
     adapters = [p.detach().sum() for n, p in trainer.model.named_parameters() if "lora_A" in n]  # before prepare
@@ -190,6 +197,7 @@ def train_case(name: str, layout: str, out_dir: Path) -> dict:
         "gathers": gathers,
         "sharded": all(is_sharded(p) for p in params),
         "reference_sharded": trainer.ref_model is not None and all(map(is_sharded, trainer.ref_model.parameters())),
+        "reference_units": shard_units(trainer.ref_model),
         "adapters": trainer.accelerator.gather(torch.stack(adapters)[None]) if adapters else None,  # [processes, n]
         "trainer": trainer,
     }
