@@ -1,9 +1,10 @@
 """Sharded training for real: FSDP2 and DeepSpeed ZeRO-2/3 on 2 CPU processes (gloo) train the same model as DDP.
 
-One launch of `tests/distributed/sharded.py` (every layout and case, about 20 s) serves every test here: per-step
-losses, rewards and KLs equal DDP's for full fine-tuning (beta 0.04 with a separate, sharded reference; beta 0 with
-`model.generate`), `num_iterations=2`, `steps_per_generation=2` and LoRA; generation gathers the weights a fixed number
-of times per rollout, not per token; a sharded checkpoint resumes exactly; `save_model` writes a model that loads.
+Two launches of `tests/distributed/sharded.py` (a run killed with SIGKILL; then every layout and case, about 30 s in
+all) serve every test here: per-step losses, rewards and KLs equal DDP's for full fine-tuning (beta 0.04 with a
+separate, sharded reference; beta 0 with `model.generate`), `num_iterations=2`, `steps_per_generation=2` and LoRA;
+generation gathers the weights a fixed number of times per rollout, not per token; the killed run resumes from its
+sharded checkpoint as if unbroken; `save_model` writes a model that loads.
 The ZeRO tests need the optional extra `pip install deepspeed` and are skipped without it.
 """
 
@@ -22,11 +23,25 @@ from sharded import CASES, STEPS  # noqa: E402
 SCRIPT = Path(__file__).parent / "distributed" / "sharded.py"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded") / "out.pt"
+def launch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
-    done = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=600)
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A 3-step FSDP2 run whose process 1 was SIGKILLed once its sharded checkpoint of step 2 was written."""
+    run_dir = tmp_path_factory.mktemp("killed")
+    done = launch("--killed", str(run_dir))
+    assert done.returncode != 0, "the run was to be killed"
+    assert "Signal 9" in done.stderr or "SIGKILL" in done.stderr, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, killed_run):
+    out = tmp_path_factory.mktemp("sharded") / "out.pt"
+    done = launch(str(out), str(killed_run))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -81,10 +96,13 @@ def test_generation_gathers_once_per_rollout_whatever_the_length(results):
         assert len(set(results["cases"][case]["fsdp"]["gathers"])) == 1, case
 
 
-def test_resume_from_a_sharded_checkpoint_repeats_the_run(results):
+def test_a_run_killed_after_a_sharded_checkpoint_resumes_as_if_unbroken(results, killed_run):
+    assert sorted(p.name for p in killed_run.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (killed_run / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # sharded: one part per process
     unbroken, resumed = results["cases"]["beta"]["fsdp"], results["resumed"]
-    assert resumed["reward"] == unbroken["reward"]
+    assert len(resumed["loss"]) == STEPS and resumed["reward"] == unbroken["reward"]
     assert torch.allclose(torch.tensor(resumed["loss"]), torch.tensor(unbroken["loss"]), rtol=0, atol=1e-7)
+    assert torch.allclose(torch.tensor(resumed["kl"]), torch.tensor(unbroken["kl"]), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("case", ["beta", "lora"])

@@ -1,18 +1,24 @@
-"""GRPO under real FSDP2 against DDP, on 2 CPU processes (gloo), in one launch:
+"""GRPO under real FSDP2 (and DeepSpeed ZeRO-2/3 when installed) against DDP, on 2 CPU processes (gloo):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/sharded.py OUT.pt
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/sharded.py --killed RUN_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/sharded.py OUT.pt RUN_DIR
+
+The first launch trains under FSDP2 and is killed (SIGKILL) after its sharded checkpoint of step 2; the second
+resumes it, and does everything else in one launch.
 
 Each case of `CASES` trains the same tiny model for 3 steps twice, under DDP and under FSDP2 (accelerate's own
 FSDP2 code path: `fully_shard` per decoder layer and on the root, DTensor shards), with the real rollout engines
 sampling the completions. Process 0 writes, per case and layout: the per-step losses, rewards and KLs, the last
 rollout's reference log-probs (gathered), how many all-gathers each rollout's generation made, and whether the
-parameters were DTensors. Then, under FSDP2 only: a resume from a sharded checkpoint, the unshards per rollout at
-two completion lengths, and `save_model` with a sharded state dict followed by `from_pretrained`.
+parameters were sharded. Then, under FSDP2 only: the resume of the killed run, the all-gathers per rollout at two
+completion lengths, and `save_model` with a sharded state dict followed by `from_pretrained`.
 """
 
 import copy
+import importlib
 import importlib.util
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,6 +100,9 @@ def allow_deepspeed_on_cpu() -> None:
         return found
 
     PartialState._prepare_backend = patched
+    # Not about correctness, about time: on CPU, DeepSpeed's process group compiles a shared-memory all-reduce on first
+    # use (85 s here; ZeRO training does not call it, DeepSpeed's inference all-reduce does). Skip the build.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (`deepspeed.comm.torch` is torch)
 
 
 class AllGathers:
@@ -203,24 +212,30 @@ def train_case(name: str, layout: str, out_dir: Path) -> dict:
     }
 
 
-class StopAfter(TrainerCallback):
-    """Stops a run after `step` (the checkpoint of that step is written first): a run cut short."""
+class KillAfterSave(TrainerCallback):
+    """SIGKILL this process once the checkpoint of `step` is on disk: a run that dies without a word (an OOM kill,
+    a lost node). The launcher then stops the other process."""
 
     def __init__(self, step: int):
         self.step = step
 
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= self.step
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step and torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def resume_from_sharded_checkpoint(out_dir: Path) -> dict[str, list[float]]:
-    """FSDP2: a 3-step run cut after step 2, where it saved a sharded checkpoint, resumed by a new trainer."""
-    run_dir = out_dir / "resume"
-    cut = build_trainer(run_dir, **CASES["beta"], **FSDP2, save_strategy="steps", save_steps=2)
-    cut.add_callback(StopAfter(2))
-    cut.train()
-    trainer = build_trainer(run_dir, **CASES["beta"], **FSDP2)
-    trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+def killed_run(run_dir: Path) -> None:
+    """FSDP2, the "beta" case for 3 steps, saving every 2: process 1 is killed after checkpoint-2 is written."""
+    trainer = build_trainer(run_dir, **CASES["beta"], **FSDP2, save_strategy="steps", save_steps=2)
+    trainer.add_callback(KillAfterSave(2))
+    trainer.train()
+    raise AssertionError("the run was to be killed at step 2")
+
+
+def resume_from_sharded_checkpoint(run_dir: Path) -> dict[str, list[float]]:
+    """FSDP2: the killed run (`killed_run`) resumed by a new trainer from its newest complete checkpoint."""
+    trainer = build_trainer(run_dir, **CASES["beta"], **FSDP2, save_strategy="no")
+    trainer.train(resume_from_checkpoint=True)
     return history(trainer)
 
 
@@ -265,8 +280,25 @@ def saved_model_logits(trainer: GRPOTrainer, save_dir: Path, lora: bool) -> tupl
         return trained, load_saved(save_dir, lora)(input_ids=input_ids).logits
 
 
-def main(out_path: str) -> None:
-    allow_fsdp_on_cpu()
+def summary(results: dict) -> str:
+    """The figures docs/distributed.md quotes: each layout's largest difference from DDP, and the gathers."""
+    lines = ["case / layout: max |difference| from DDP over the steps (loss, kl, reward, reference log-probs)"]
+    for name, layouts in results["cases"].items():
+        ddp = layouts["ddp"]
+        for layout, run in layouts.items():
+            if layout == "ddp":
+                continue
+            diffs = [
+                max(abs(a - b) for a, b in zip(ddp[key], run[key], strict=True)) for key in ("loss", "kl", "reward")
+            ]
+            if ddp["ref_logps"] is not None:
+                diffs.append(float((ddp["ref_logps"] - run["ref_logps"]).abs().max()))
+            lines.append(f"{name} / {layout}: " + ", ".join(f"{d:.2g}" for d in diffs))
+    lines.append(f"FSDP2 all-gathers per rollout by max_completion_length: {results['gathers_per_rollout']}")
+    return "\n".join(lines)
+
+
+def main(out_path: str, killed_dir: Path) -> None:
     AllGathers.install()
     out_dir = Path(out_path).parent
     results: dict = {"cases": {}}
@@ -277,7 +309,7 @@ def main(out_path: str) -> None:
         for run in (ddp, fsdp):
             run.pop("trainer")
         results["cases"][name] = {"ddp": ddp, "fsdp": fsdp}
-    results["resumed"] = resume_from_sharded_checkpoint(out_dir)
+    results["resumed"] = resume_from_sharded_checkpoint(killed_dir)
     results["gathers_per_rollout"] = gathers_per_rollout(out_dir)
     if importlib.util.find_spec("deepspeed") is not None:  # the optional extra: last, it leaves DeepSpeed set up
         allow_deepspeed_on_cpu()
@@ -289,9 +321,14 @@ def main(out_path: str) -> None:
             results["cases"]["beta"][f"zero{stage}"] = run
     if torch.distributed.get_rank() == 0:
         torch.save(copy.deepcopy(results), out_path)
+        print(summary(results), flush=True)
     torch.distributed.barrier()  # leave together: a rank that exits while gloo has the other connected can abort
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    allow_fsdp_on_cpu()
+    if sys.argv[1] == "--killed":
+        killed_run(Path(sys.argv[2]))
+    else:
+        main(sys.argv[1], Path(sys.argv[2]))
     exit_without_teardown()
