@@ -294,6 +294,11 @@ def summary(results: dict) -> str:
             if ddp["ref_logps"] is not None:
                 diffs.append(float((ddp["ref_logps"] - run["ref_logps"]).abs().max()))
             lines.append(f"{name} / {layout}: " + ", ".join(f"{d:.2g}" for d in diffs))
+    unbroken, resumed = results["cases"]["beta"]["fsdp"], results["resumed"]
+    diffs = [
+        max(abs(a - b) for a, b in zip(unbroken[key], resumed[key], strict=True)) for key in ("loss", "kl", "reward")
+    ]
+    lines.append("killed and resumed / unbroken FSDP2 (loss, kl, reward): " + ", ".join(f"{d:.2g}" for d in diffs))
     lines.append(f"FSDP2 all-gathers per rollout by max_completion_length: {results['gathers_per_rollout']}")
     return "\n".join(lines)
 
