@@ -12,6 +12,9 @@
   advantages, old and reference log-probs), the token count and the metrics not yet logged. With
   Trainer's own state (weights, optimizer, scheduler, RNG, step, epoch) it makes a resumed run
   repeat the uninterrupted one exactly, wherever the checkpoint falls.
+- **A final model, always.** Under FSDP with a sharded state dict (accelerate's FSDP2 default), `Trainer.save_model`
+  writes nothing; here it gathers the full weights to process 0, one tensor at a time, and writes a model that
+  `from_pretrained` loads (or the LoRA adapter). Checkpoints stay sharded, for resuming.
 - **Stopping cleanly.** `StopRequest`: on SIGTERM or Ctrl-C the trainer finishes the step, saves and
   stops, so a preempted run loses nothing even between `save_steps`.
 
@@ -228,6 +231,21 @@ class AtomicCheckpoints:
                 "saved: resume with trainer.train(resume_from_checkpoint=True)."
             )
         return output
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; under FSDP with a sharded state dict, where Trainer writes nothing (checkpoints hold
+        the shards), the full model is gathered and written all the same (`accelerator.get_state_dict`: process 0
+        gathers one tensor at a time into CPU memory, the others keep none), or the LoRA adapter of a PEFT model."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if _internal_call or plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)  # every process takes part in the gather
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.should_save:
+            logger.info(
+                f"Saved the full model gathered from the FSDP shards ({plugin.state_dict_type}) to {output_dir}"
+            )
 
     def _get_output_dir(self, trial) -> str:
         return self._staging_dir or super()._get_output_dir(trial)

@@ -30,7 +30,7 @@ from torch import nn
 
 from grpo_hf.completion_log import completion_rows
 from grpo_hf.core import check_finite_rewards, combine_rewards, decoupled_advantages, group_advantages, reward_metrics
-from grpo_hf.parallel import is_zero3, stop_together, sum_over_processes
+from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3, stop_together, sum_over_processes
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import RolloutEngine, is_conversational, make_engine, split_into_slices, tokenize_prompts
@@ -308,7 +308,8 @@ class ExperienceMaker:
 
     @contextlib.contextmanager
     def model_for_generation(self):
-        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper).
+        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper); under
+        FSDP2 once for the whole rollout (`parallel.fsdp2_gathered`), not in every forward (every token).
 
         Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
         """
@@ -318,6 +319,9 @@ class ExperienceMaker:
 
             with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
                 yield unwrapped
+        elif is_fsdp2(trainer.accelerator):
+            with fsdp2_gathered(trainer.model_wrapped):
+                yield trainer.accelerator.unwrap_model(trainer.model_wrapped)
         else:
             yield trainer.accelerator.unwrap_model(trainer.model_wrapped)
 

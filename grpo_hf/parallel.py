@@ -1,4 +1,5 @@
-"""Data parallelism: gradients averaged without DDP's reducer, and processes that fail or stop together.
+"""Data parallelism and sharding: gradients averaged without DDP's reducer, the reference model and generation under
+FSDP2, and processes that fail or stop together.
 
 The shared-prompt-prefix forward calls the decoder and the LM head directly (`logprobs.shared_prefix_logits`), not
 the model's `forward`, so under DDP it bypasses the wrapper and DDP's reducer never hears of the backward. The
@@ -8,11 +9,16 @@ divided by their number, with a missing gradient counted as zero), in buckets so
 A process that fails alone leaves the others waiting in their next collective. `stop_together` makes a failure in
 user code (a reward function) stop every process with the same message; `check_same_dataset` catches, before the
 first step, a dataset that differs between processes.
+
+Under FSDP2 the reference model is sharded like the policy, one decoder layer per shard unit
+(`prepare_reference`), and generation gathers each of the policy's units once per rollout, not once per token
+(`fsdp2_gathered`). docs/distributed.md says what each layout shards and what was tested.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,6 +113,85 @@ def is_zero3(accelerator) -> bool:
     """Whether DeepSpeed ZeRO-3 shards the parameters (a forward outside the engine's must gather them first)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3
+
+
+def is_fsdp2(accelerator) -> bool:
+    """Whether the model is sharded by FSDP2 (`fully_shard`: DTensor parameters, one shard unit per wrapped module)."""
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+def prepare_reference(model: torch.nn.Module, accelerator) -> torch.nn.Module:
+    """The frozen reference model placed as the policy is: partitioned by DeepSpeed (TRL's helper; ZeRO-3 shards it),
+    sharded one decoder layer per unit under FSDP2 (`fsdp2_shard_reference`), wrapped under FSDP1 (TRL's helper), or
+    put on the device."""
+    state = accelerator.state
+    if getattr(state, "deepspeed_plugin", None) is not None:
+        from trl.models.utils import prepare_deepspeed
+
+        return prepare_deepspeed(model, accelerator)
+    if is_fsdp2(accelerator):
+        return fsdp2_shard_reference(model, accelerator)
+    if getattr(state, "fsdp_plugin", None) is not None:
+        from trl.models.utils import prepare_fsdp
+
+        return prepare_fsdp(model, accelerator)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def fsdp2_shard_reference(model: torch.nn.Module, accelerator) -> torch.nn.Module:
+    """The reference model sharded as accelerate shards the policy under FSDP2: each module the plugin's auto-wrap
+    policy picks (a decoder layer) is a shard unit of its own, the rest is the root's; in eval mode.
+
+    So a reference forward gathers one layer at a time, where one unit for the whole model (TRL's `prepare_fsdp`)
+    gathers the whole reference on every process. Every unit reshards after its forward: with no backward to come,
+    keeping one gathered (FSDP2's default for the root) would keep it whole for the rest of the run.
+    """
+    from accelerate.utils import get_module_children_bottom_up
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {
+        "reshard_after_forward": True,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
+    for module in get_module_children_bottom_up(model)[:-1]:  # the model itself last
+        if policy is not None and policy(module):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def fsdp2_gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP2 shard unit of `model` all-gathered once for the whole block, and resharded at its end.
+
+    Generation calls the model once per token; FSDP2 would gather each unit's weights in every forward and free them
+    after it, so a rollout would cost (units x tokens) all-gathers. Here it costs one per unit, whatever the length,
+    and each process holds the full weights for the block's duration (as ZeRO-3's gathered generation does). The
+    units' own reshard-after-forward settings are restored afterwards (FSDP2 keeps them on its parameter groups).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    saved = [group.post_forward_mesh_info for group in groups]  # None: the unit stays gathered after a forward
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for group, info in zip(groups, saved, strict=True):
+            group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()
 
 
 def sum_over_processes(accelerator, value: int) -> int:

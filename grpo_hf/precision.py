@@ -217,15 +217,17 @@ class PrecisionGuard:
             optimizer.register_step_post_hook(self._after)
 
     @classmethod
-    def from_config(cls, optimizer: torch.optim.Optimizer, args, *, managed: bool, record) -> PrecisionGuard:
-        """The guard a `GRPOConfig` asks for; `managed`: DeepSpeed or fp16 loss scaling handles precision itself."""
+    def from_config(cls, optimizer: torch.optim.Optimizer, args, deepspeed: bool, scaler, *, record) -> PrecisionGuard:
+        """The guard a `GRPOConfig` asks for. Under `deepspeed`, or with an fp16 loss `scaler`, precision is managed
+        already: no master weights. Under DeepSpeed no lost-update probe either: its optimizer updates fp32 partitions
+        of its own, not the parameters the probe reads (which ZeRO-3 empties on each process)."""
         optim = str(getattr(args.optim, "value", args.optim))
         return cls(
             optimizer,
-            master_weights=args.fp32_master_weights and not managed,
+            master_weights=args.fp32_master_weights and not (deepspeed or scaler is not None),
             learning_rate=args.learning_rate,
             adam_like="adam" in optim or "lion" in optim,
-            check_every=args.lost_update_check_steps,
+            check_every=0 if deepspeed else args.lost_update_check_steps,
             threshold=args.lost_update_threshold,
             action=args.on_lost_updates,
             record=record,

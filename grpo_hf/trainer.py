@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import set_seed
 
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
 from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
@@ -45,7 +46,7 @@ from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
 from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.parallel import average_gradients, check_same_dataset, sum_over_processes
+from grpo_hf.parallel import average_gradients, check_same_dataset, prepare_reference, sum_over_processes
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
@@ -114,6 +115,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         args = _config_or_default(args, model)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
+        set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
         model, ref_model, processing_class = build_models(
             model,
             processing_class,
@@ -181,8 +183,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self.add_callback(AfterOptimizerStep(self))
 
     def _place_models(self, ref_model):
-        """Reward models to the device; the reference model prepared like the policy (DeepSpeed / FSDP / device
-        placement) and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
+        """Reward models to the device; the reference model prepared like the policy (`parallel.prepare_reference`)
+        and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, ref_model):
                 if model is not None:
@@ -190,17 +192,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         for func in self.reward_funcs:
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
                 func.model.to(self.accelerator.device)
-        if ref_model is None:
-            return None
-        if self.is_deepspeed_enabled:
-            from trl.models.utils import prepare_deepspeed
-
-            return prepare_deepspeed(ref_model, self.accelerator)
-        if self.is_fsdp_enabled:
-            from trl.models.utils import prepare_fsdp
-
-            return prepare_fsdp(ref_model, self.accelerator)
-        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        return None if ref_model is None else prepare_reference(ref_model, self.accelerator)
 
     @property
     def aux_loss_enabled(self) -> bool:
@@ -217,9 +209,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         (`precision.PrecisionGuard`; DeepSpeed and fp16 loss scaling manage precision themselves)."""
         optimizer = super().create_optimizer(model)
         if self.precision_guard is None:
-            managed = self.is_deepspeed_enabled or self.accelerator.scaler is not None
             record = lambda fraction: self._metrics["train"]["precision/lost_updates"].append(fraction)  # noqa: E731
-            self.precision_guard = PrecisionGuard.from_config(optimizer, self.args, managed=managed, record=record)
+            deepspeed, scaler = self.is_deepspeed_enabled, self.accelerator.scaler
+            self.precision_guard = PrecisionGuard.from_config(optimizer, self.args, deepspeed, scaler, record=record)
             logger.info(self.precision_guard.describe())
         return optimizer
 

@@ -33,3 +33,19 @@ def test_formula_map_points_at_the_lines_that_compute_each_formula():
 def test_public_names_exist():
     for name in grpo_hf.__all__:
         assert getattr(grpo_hf, name) is not None
+
+
+def test_docs_pages_are_linked_and_name_what_exists():
+    """Every docs/ page is linked from the README, and the files and grpo_hf names it cites exist."""
+    import importlib
+
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages
+    for page in pages:
+        assert f"(docs/{page.name})" in README, f"the README does not link docs/{page.name}"
+        text = page.read_text(encoding="utf-8")
+        for path in set(re.findall(r"`((?:grpo_hf|tests|recipes|benchmarks)/[\w./-]+)`", text)):
+            assert (ROOT / path).exists(), f"docs/{page.name} cites {path}, which does not exist"
+        for dotted in set(re.findall(r"`(grpo_hf(?:\.\w+)+)`", text)):
+            module, _, name = dotted.rpartition(".")
+            assert hasattr(importlib.import_module(module), name), f"docs/{page.name} cites {dotted}"

@@ -188,6 +188,31 @@ def test_lora_trains_adapters_and_keeps_base_weights(tmp_path, tokenizer, tiny_l
     assert "kl" in train_logs(trainer)[0]
 
 
+def test_lora_adapters_are_initialised_from_seed(tmp_path, tokenizer):
+    """The adapters' random init draws from `args.seed`: the same seed gives the same adapters whatever the global
+    RNG held before, another seed other adapters (sharded runs stitch each process's shard of this init)."""
+    from peft import LoraConfig
+
+    def adapters(seed, rng_before):
+        model = build_tiny_model(tokenizer, seed=3)  # the same base model each time
+        torch.manual_seed(rng_before)  # what ran before the trainer must not matter
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+        trainer = GRPOTrainer(
+            model,
+            id_sum_reward,
+            make_args(tmp_path, seed=seed),
+            train_dataset=make_dataset(),
+            processing_class=tokenizer,
+            peft_config=config,
+        )
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+    first, again, other = adapters(0, rng_before=1), adapters(0, rng_before=2), adapters(1, rng_before=1)
+    assert first and first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all(not torch.equal(first[n], other[n]) for n in first if "lora_A" in n)  # lora_B starts at zero
+
+
 @pytest.mark.parametrize(
     "loss_type,scale_rewards,level",
     [
