@@ -43,7 +43,7 @@ def test_engines_are_imported_lazily_and_unknown_names_list_the_known_ones():
         ("cpu", {}, False, "loop"),
         ("cpu", {"no_repeat_ngram_size": 2}, False, "generate"),  # a setting only generate implements
         ("cuda", {}, False, "cuda_graph"),
-        ("cuda", {}, True, "generate_static"),  # sharded weights are gathered per call: no captured graph
+        ("cuda", {}, True, "generate_static"),  # sharded weights are gathered anew for each rollout: no captured graph
         ("cuda", {"no_repeat_ngram_size": 2}, False, "generate_static"),
     ],
 )

@@ -116,7 +116,7 @@ def make_engine(
 ) -> tuple[RolloutEngine, str]:
     """The engine to use, and one line saying which and why (for the log).
 
-    `sharded=True` (FSDP, DeepSpeed ZeRO-3: parameters are gathered per call) rules out engines that keep
+    `sharded=True` (FSDP, DeepSpeed ZeRO-3: parameters are gathered anew for each rollout) rules out engines that keep
     references to the weights between calls (`cuda_graph`). `options` go to the chosen engine's constructor
     when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
     """
@@ -133,7 +133,7 @@ def make_engine(
         cls = engine_class(candidate)
         reason = cls.unsupported_reason(model, generation_config)
         if reason is None and sharded and candidate == "cuda_graph":
-            reason = "the weights are sharded (FSDP / ZeRO-3) and gathered per call"
+            reason = "the weights are sharded (FSDP / ZeRO-3) and gathered anew for each rollout"
         if reason is None:
             accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
             engine = cls(generation_config, eos_token_ids, **accepted)
