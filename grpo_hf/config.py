@@ -15,6 +15,7 @@ from typing import Any, Literal
 from transformers import GenerationConfig, TrainingArguments
 
 from grpo_hf.core import check_entropy_settings, check_loss_settings
+from grpo_hf.vllm_config import VLLMArguments
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(VLLMArguments, TrainingArguments):
     r"""Configuration of [`GRPOTrainer`]: `TrainingArguments` plus the GRPO knobs.
 
     `per_device_train_batch_size` counts **completions**, not prompts, as in TRL: with
@@ -479,6 +480,7 @@ class GRPOConfig(TrainingArguments):
                     f"{self.rollout_engine!r} is set too. Keep only rollout_engine."
                 )
             self.rollout_engine = "generate"
+        self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
         from grpo_hf.rollout.engine import ENGINES
 
         if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:

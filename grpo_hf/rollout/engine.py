@@ -84,6 +84,7 @@ ENGINES: dict[str, str | type[RolloutEngine]] = {
     "generate": "grpo_hf.rollout.hf_generate:GenerateEngine",
     "generate_static": "grpo_hf.rollout.hf_generate:StaticGenerateEngine",
     "cuda_graph": "grpo_hf.rollout.cuda_graph:CUDAGraphEngine",
+    "vllm": "grpo_hf.rollout.vllm_engine:VLLMEngine",
 }
 _CHAINS = {"cuda": ["cuda_graph", "generate_static", "loop", "generate"], "other": ["loop", "generate"]}
 
