@@ -73,6 +73,13 @@ class VLLMArguments:
             "(generation, weight push). Past it the run stops with a ConnectionError that says what to check."
         },
     )
+    vllm_server_weights_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Server mode: where process 0 writes the weights for the server to load (a directory both can "
+            "read). None: /dev/shm, i.e. trainer and server on one machine. Not in TRL (its server is its own)."
+        },
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
         metadata={"help": "Colocate: the fraction of GPU memory vLLM may use (weights and KV cache). Not on CPU."},

@@ -76,7 +76,11 @@ class VLLMEngine(RolloutEngine):
         prompts = [prompt_ids[start][prompt_mask[start].bool()].tolist() for start, _ in runs]
         counts = [stop - start for start, stop in runs]
         settings = {**sampling_settings(model, self.generation_config), "stop_token_ids": self.eos_token_ids}
-        rows = self.backend.generate(prompts, counts, settings)
+        if settings["temperature"] == 0:  # greedy: one completion per prompt, repeated (vLLM refuses n > 1)
+            rows = self.backend.generate(prompts, [1] * len(prompts), settings)
+            rows = [row for row, n in zip(rows, counts, strict=True) for _ in range(n)]
+        else:
+            rows = self.backend.generate(prompts, counts, settings)
         completion_ids, self.sampling_logps = pad_rows(rows, self.generation_config.pad_token_id, prompt_ids.device)
         return completion_ids
 
