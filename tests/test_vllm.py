@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["Hi", "A longer prompt here", "2+2=", "The quick brown fox"]
 
 
-def _trainer(tmp_path, tokenizer, **overrides):
+def _trainer(tmp_path, tokenizer, peft_config=None, **overrides):
     settings = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
@@ -46,7 +46,7 @@ def _trainer(tmp_path, tokenizer, **overrides):
         return [float(len(set(ids))) for ids in completion_ids]
 
     model = build_tiny_model(tokenizer, hidden_size=128, seed=3)  # head_dim 32: vLLM's CPU attention needs >= 32
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,54 @@ def test_sampling_follows_the_models_distribution(trained, tokenizer):
             engine.on_weights_updated(trainer.model)
 
     assert_draws_follow_the_model(model, tokenizer, sample)
+
+
+def _sharing(trainer, engine):
+    """`trainer` with the module's engine (one vLLM start per module); it pushes `trainer`'s weights next."""
+    trainer.experience.engine = engine
+    engine.on_weights_updated(trainer.model)
+    return trainer
+
+
+def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, tokenizer, tmp_path):
+    """Under LoRA the engine samples base + adapters (greedy tokens of the PEFT model, which differ from the base
+    model's), while the trained model keeps its base weights and separate adapters."""
+    from peft import LoraConfig
+
+    engine = trained[0].rollout
+    peft_config = LoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    trainer = _sharing(_trainer(tmp_path, tokenizer, peft_config=peft_config, max_steps=2), engine)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    trainer.train()
+    model = trainer.model.eval()
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base_before[name]), f"{name} changed: the model was left merged"
+    assert any("lora_" in name for name, _ in model.named_parameters())
+    ours, reference, mask, *_ = _greedy(engine, model, tokenizer)
+    assert torch.equal(ours[mask], reference[mask])
+    with model.disable_adapter():
+        base_tokens = model.generate(
+            **dict(zip(("input_ids", "attention_mask"), tokenize_prompts(tokenizer, PROMPTS)[:2], strict=True)),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, -8:]
+    assert not torch.equal(reference[:, :8], base_tokens), "the adapters must change the greedy tokens here"
+    engine.on_weights_updated(None)
+
+
+def test_resuming_from_a_checkpoint_re_syncs_the_engine(trained, tokenizer, tmp_path):
+    """`train(resume_from_checkpoint=...)` on a trainer whose engine holds later weights: the engine is re-synced to
+    the checkpoint's before the first resumed rollout, so vLLM's log-probs are the trainer's (< 1e-4)."""
+    engine = trained[0].rollout
+    trainer = _sharing(_trainer(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1), engine)
+    trainer.train()
+    _greedy(engine, trainer.model.eval(), tokenizer)  # the engine now holds step 2's weights, marked fresh
+    assert not engine.stale
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    resumed = [row for row in trainer.state.log_history if "loss" in row][-1]
+    assert resumed["sampling/sampling_logp_difference/max"] < 1e-4
+    engine.on_weights_updated(None)
