@@ -686,13 +686,15 @@ def _check_choice(name: str, value: Any, literal: Any) -> None:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
 
 
-def config_reference_markdown() -> str:
-    """The README's config reference: one row per GRPOConfig field (TrainingArguments' own are not repeated)."""
+def config_reference_markdown(cls: type | None = None) -> str:
+    """The README's config reference: one row per field of `cls` itself (default GRPOConfig; its base classes'
+    fields are not repeated: TrainingArguments', and VLLMArguments', whose table is in docs/vllm.md)."""
     import dataclasses
 
+    cls = cls or GRPOConfig
     rows = ["| field | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(GRPOConfig):
-        if f.name not in GRPOConfig.__annotations__:
+    for f in dataclasses.fields(cls):
+        if f.name not in cls.__annotations__:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{f.name}` | `{default!r}` | {f.metadata['help']} |")

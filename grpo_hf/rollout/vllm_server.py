@@ -124,9 +124,7 @@ class VLLMServer:
         return time.perf_counter() - start
 
     def push_from_main(self, weights) -> None:
-        root = getattr(self.args, "vllm_server_weights_dir", None) or (
-            "/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
+        root = self.args.vllm_server_weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         directory = tempfile.mkdtemp(prefix="grpo_hf_weights_", dir=root)
         try:
             write_shards(weights, directory)
