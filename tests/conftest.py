@@ -36,8 +36,10 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(tokenizer, arch: str = "llama", seed: int = 0, hidden_size: int = 32, num_layers: int = 2):
-    """A randomly initialised causal LM of a few tens of thousands of parameters."""
+def build_tiny_model(
+    tokenizer, arch: str = "llama", seed: int = 0, hidden_size: int = 32, num_layers: int = 2, tied: bool = False
+):
+    """A randomly initialised causal LM of a few tens of thousands of parameters (`tied`: lm_head = embeddings)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=len(tokenizer),
@@ -50,7 +52,7 @@ def build_tiny_model(tokenizer, arch: str = "llama", seed: int = 0, hidden_size:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))

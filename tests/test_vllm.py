@@ -45,7 +45,8 @@ def _trainer(tmp_path, tokenizer, peft_config=None, **overrides):
     def reward(completion_ids, **kwargs):  # favours completions with many distinct tokens: a signal in every group
         return [float(len(set(ids))) for ids in completion_ids]
 
-    model = build_tiny_model(tokenizer, hidden_size=128, seed=3)  # head_dim 32: vLLM's CPU attention needs >= 32
+    # head_dim 32 (vLLM's CPU attention), lm_head tied to the embeddings as in SmolLM2 and Qwen2.5-0.5B
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True)
     return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
 
 
@@ -53,7 +54,7 @@ def _trainer(tmp_path, tokenizer, peft_config=None, **overrides):
 def trained(tmp_path_factory, tokenizer):
     """A GRPOTrainer with use_vllm=True after 3 optimizer steps, with the weights it started from."""
     trainer = _trainer(tmp_path_factory.mktemp("vllm"), tokenizer)
-    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters(remove_duplicate=False)}
     trainer.train()
     return trainer, initial
 
@@ -79,7 +80,7 @@ def test_the_engine_samples_the_trained_weights(trained, tokenizer):
     tokens equal the trainer's (fp32) to 1e-4: the weights were pushed after the steps."""
     trainer, initial = trained
     model, engine = trainer.model.eval(), trainer.rollout
-    moved = [name for name, p in model.named_parameters() if not torch.equal(p, initial[name])]
+    moved = [name for name, p in model.named_parameters(remove_duplicate=False) if not torch.equal(p, initial[name])]
     assert len(moved) == len(initial), "every weight trained"
     assert engine.name == "vllm" and len(engine.push_seconds) == 3  # one push before each of the 3 rollouts
     ours, reference, mask, prompt_ids, prompt_mask = _greedy(engine, model, tokenizer)
@@ -97,7 +98,7 @@ def test_greedy_equality_can_fail(trained, tokenizer):
     model's: the equality above tells the weights apart."""
     trainer, initial = trained
     engine = trainer.rollout
-    model = build_tiny_model(tokenizer, hidden_size=128, seed=3).eval()
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).eval()
     model.load_state_dict(initial)
     engine.on_weights_updated(model)
     before, reference, mask, *_ = _greedy(engine, model, tokenizer)
@@ -123,8 +124,8 @@ def test_sampling_follows_the_models_distribution(trained, tokenizer):
     grpo_hf's own engines)."""
     trainer, _ = trained
     engine = trainer.rollout
-    model = build_tiny_model(tokenizer, hidden_size=128, seed=8).eval()
-    model.lm_head.weight.mul_(5)  # peaked logits, so that every sampling setting changes the distribution
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=8, tied=True).eval()
+    model.lm_head.weight.mul_(2)  # (tied: embeddings too) peaked logits, so that every setting changes the draws
 
     def sample(config, prompt_ids, prompt_mask):
         sampling_config, engine.generation_config = engine.generation_config, config

@@ -36,7 +36,7 @@ def server(tmp_path_factory, tokenizer):
     """A `vllm serve` of a tiny Llama (saved with its tokenizer) on 127.0.0.1; stopped (SIGTERM, then SIGKILL to its
     process group after 30 s) when the module's tests are done. Yields (base_url, model_dir)."""
     model_dir = tmp_path_factory.mktemp("served")
-    build_tiny_model(tokenizer, hidden_size=128, seed=3).save_pretrained(model_dir)
+    build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     port, log = free_port(), open(model_dir / "server.log", "w")  # noqa: SIM115
     command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", str(model_dir), "--host", "127.0.0.1"]

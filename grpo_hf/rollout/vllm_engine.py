@@ -129,13 +129,15 @@ def pad_rows(rows: list[tuple[list[int], list[float]]], pad: int, device) -> tup
 def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their checkpoint names, one tensor at a time (never a second full copy).
 
-    A PEFT model yields its base weights with each LoRA delta merged in (W + scale B A), computed per layer; the model
-    itself stays unmerged. A sharded parameter (FSDP2's DTensor) is gathered one at a time.
+    Tied weights come under each of their names: vLLM's in-place reload re-creates its parameters layer by layer, which
+    unties its lm_head from the embeddings (a push without `lm_head.weight` leaves it random). A PEFT model yields its
+    base weights with each LoRA delta merged in (W + scale B A), computed per layer; the model itself stays unmerged.
+    A sharded parameter (FSDP2's DTensor) is gathered one at a time.
     """
     if hasattr(model, "peft_config"):
         yield from _merged_lora_weights(model)
         return
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name (lm_head)
         yield name, _full(param)
 
 
@@ -148,7 +150,7 @@ def _merged_lora_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     for module_name, module in base.named_modules():
         if isinstance(module, LoraLayer) and adapter in module.lora_A:
             deltas[f"{module_name}.base_layer.weight"] = module
-    for name, param in base.named_parameters():
+    for name, param in base.named_parameters(remove_duplicate=False):
         if "lora_" in name or ".original_module." in name:
             continue
         weight = _full(param)
