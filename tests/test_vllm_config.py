@@ -95,3 +95,12 @@ def test_the_vllm_recipe_is_the_gpu_recipe_with_vllm(monkeypatch):
     plain, vllm = (yaml.safe_load((ROOT / "recipes" / name).read_text()) for name in ("gsm8k.yaml", "gsm8k_vllm.yaml"))
     differing = {key for key in plain.keys() | vllm.keys() if plain.get(key) != vllm.get(key)}
     assert {key for key in differing if not key.startswith("vllm_")} == {"rollout_engine", "use_vllm", "output_dir"}
+
+
+def test_docs_list_every_vllm_field():
+    from pathlib import Path
+
+    from grpo_hf.config import config_reference_markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    assert config_reference_markdown(VLLMArguments) in docs, "regenerate the table in docs/vllm.md"
