@@ -188,3 +188,14 @@ def test_resuming_from_a_checkpoint_re_syncs_the_engine(trained, tokenizer, tmp_
     resumed = [row for row in trainer.state.log_history if "loss" in row][-1]
     assert resumed["sampling/sampling_logp_difference/max"] < 1e-4
     engine.on_weights_updated(None)
+
+
+def test_close_shuts_vllm_down(trained):
+    """`close()` (the recipe calls it before destroying the process group) shuts vLLM's engine down once, now, instead
+    of at interpreter exit, when the process groups it joined may be gone. Last in this module: it ends the engine."""
+    engine = trained[0].rollout
+    client = engine.backend.llm.llm_engine.engine_core
+    engine.close()
+    assert engine.backend is None and engine.stale
+    assert not client._finalizer.alive  # shut down: nothing left to run at exit
+    engine.close()  # idempotent

@@ -62,6 +62,11 @@ class VLLMEngine(RolloutEngine):
     def on_weights_updated(self, model) -> None:
         self.stale = True
 
+    def close(self) -> None:
+        if self.backend is not None and hasattr(self.backend, "close"):
+            self.backend.close()
+        self.backend, self.stale = None, True
+
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         if self.backend is None:
             self.backend = self._make_backend(model)
@@ -215,6 +220,10 @@ class VLLMColocate:
         kwargs = llm_kwargs(args, param.dtype, param.device, seed=args.seed + index)
         logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
         self.llm = LLM(model=self.model_dir, **kwargs)
+
+    def close(self) -> None:
+        """Shut vLLM down now, while the process groups it joined exist (at exit they may be gone)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def push(self, model) -> float:
         import time
