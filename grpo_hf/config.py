@@ -15,6 +15,7 @@ from typing import Any, Literal
 from transformers import GenerationConfig, TrainingArguments
 
 from grpo_hf.core import check_entropy_settings, check_loss_settings
+from grpo_hf.vllm_config import VLLMArguments
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(VLLMArguments, TrainingArguments):
     r"""Configuration of [`GRPOTrainer`]: `TrainingArguments` plus the GRPO knobs.
 
     `per_device_train_batch_size` counts **completions**, not prompts, as in TRL: with
@@ -488,6 +489,7 @@ class GRPOConfig(TrainingArguments):
                     f"{self.rollout_engine!r} is set too. Keep only rollout_engine."
                 )
             self.rollout_engine = "generate"
+        self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
         from grpo_hf.rollout.engine import ENGINES
 
         if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:
@@ -693,13 +695,15 @@ def _check_choice(name: str, value: Any, literal: Any) -> None:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
 
 
-def config_reference_markdown() -> str:
-    """The README's config reference: one row per GRPOConfig field (TrainingArguments' own are not repeated)."""
+def config_reference_markdown(cls: type | None = None) -> str:
+    """The README's config reference: one row per field of `cls` itself (default GRPOConfig; its base classes'
+    fields are not repeated: TrainingArguments', and VLLMArguments', whose table is in docs/vllm.md)."""
     import dataclasses
 
+    cls = cls or GRPOConfig
     rows = ["| field | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(GRPOConfig):
-        if f.name not in GRPOConfig.__annotations__:
+    for f in dataclasses.fields(cls):
+        if f.name not in cls.__annotations__:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{f.name}` | `{default!r}` | {f.metadata['help']} |")

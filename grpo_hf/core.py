@@ -93,7 +93,7 @@ Where TRL 1.16, and so this code, departs from the papers:
   The loss value contains log pi_theta, so it is not comparable across loss types; its gradient is.
 - vespo: the clamps of the authors' code: each token's log-ratio to [-20, 20], log w_i to [log 1e-8, 20],
   lambda >= 1e-4, a NaN/inf phi -> 0; phi is computed as exp(lambda + k log w - lambda w). TRL's extra factor
-  for vLLM sampling (its `importance_sampling_ratio`) does not exist here: there is no vLLM engine yet.
+  for vLLM sampling (its `importance_sampling_ratio`) is not folded into phi here: vespo refuses that correction.
 - delta: TRL caps r for every advantage; with delta > 1 + eps_high this changes only A < 0 terms, as in
   INTELLECT-2. The clip-ratio metrics use r before the cap (TRL: after; equal when delta > 1 + eps_high).
 - off-policy mask: pi_old is `old_logps` (TRL prefers vLLM's sampling log-probs when it has them); M_i scales
@@ -343,6 +343,7 @@ def grpo_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     policy_mask: Tensor | None = None,
+    sampling_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, KL-regularised GRPO loss of DESIGN.md §5 and its metrics: returns `(-J, metrics)`.
 
@@ -371,6 +372,8 @@ def grpo_loss(
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's kernel for A >= 0 and A < 0.
         policy_mask: `[N, T]` 0/1 on the tokens whose policy term counts (`high_entropy_mask`); the KL and every
             normaliser keep `completion_mask` (TRL). None: all. Not with "sequence_sum" (one term per sequence).
+        sampling_weight: `[N, T]` or `[N, 1]` importance weight pi_old / pi_sampler of the tokens (from
+            `sampling_importance_weights`): it multiplies the policy term, not the KL (TRL's vLLM correction).
 
     `old_logps`, `ref_logps` and `advantages` are detached here: no gradient flows into them. Computed in the
     dtype of `logps`. Impossible settings raise (`check_loss_settings`; its warnings are the caller's to show).
@@ -429,6 +432,8 @@ def grpo_loss(
         objective = objective * _off_policy_mask(log_ratio, advantages, mask, off_policy_mask_threshold)  # M_i
     if policy_mask is not None:  # e.g. top_entropy_quantile: the policy term of the high-entropy tokens only
         objective = objective * _token_mask(policy_mask, per_sequence, objective.dtype)  # [N, T]
+    if sampling_weight is not None:  # the sampler was not exactly pi_old (vLLM): reweight its samples
+        objective = objective * sampling_weight.detach().to(objective.dtype)
     if beta != 0:
         if per_sequence:
             kl = _k3(_masked_sum(log_ref_ratio, mask))[:, None]  # [N, 1]  KL_i with d_i = sum_t m (ref - logps)
@@ -1056,3 +1061,50 @@ def mix_parameters_(targets: Iterator[Tensor], sources: Iterator[Tensor], alpha:
                 "the policy must have the same architecture and unsharded parameters"
             )
         target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)
+
+
+SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampling_importance_weights(
+    old_logps: Tensor,
+    sampling_logps: Tensor,
+    completion_mask: Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated / masked importance sampling for a sampler that is not exactly pi_old (TRL's vLLM correction).
+
+    The completions were drawn by a sampler (vLLM) whose log-probs `sampling_logps` [N, T] differ from the
+    trainer's `old_logps` [N, T] of the same tokens. The weight is w = pi_old / pi_sampler:
+    - token level: w[i,t] = exp(old - sampling)[i,t];  sequence level: w_i = exp(sum_t m (old - sampling)) [N, 1];
+    - "*_truncate": w <- clamp(w, clip_min, clip_max) (truncated IS, Ionides 2008);
+    - "*_mask": w <- 0 where w < clip_min or w > clip_max (masked IS); a None bound is no bound.
+    A NaN sampling log-prob (a token the sampler did not score) counts as no difference. No gradient.
+    Returns the weight and its metrics as tensors (TRL's names, without the "sampling/" prefix): the mean and
+    max |old - sampling| over the completion tokens, and min/mean/max of the weight (over the completion tokens,
+    or over the rows at sequence level).
+    """
+    _check_choice("vllm_importance_sampling_mode", mode, SAMPLING_CORRECTION_MODES)
+    mask = completion_mask.bool()  # [N, T]
+    diff = torch.nan_to_num((old_logps.detach() - sampling_logps.detach()) * mask, nan=0.0)  # [N, T]
+    per_sequence = mode.startswith("sequence")
+    weight = torch.exp(diff.sum(-1, keepdim=True) if per_sequence else diff)  # [N, 1] or [N, T]
+    if mode.endswith("truncate"):
+        weight = weight.clamp(min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        weight = weight.masked_fill((weight < low) | (weight > high), 0.0)
+    gap = (old_logps.detach() - sampling_logps.detach()).abs()[mask & ~torch.isnan(sampling_logps)]  # [n]
+    values = weight.flatten() if per_sequence else weight[mask]  # [N] or [n]
+    empty = weight.new_zeros(())
+    metrics = {
+        "sampling_logp_difference/mean": gap.mean() if gap.numel() else empty,
+        "sampling_logp_difference/max": gap.max() if gap.numel() else empty,
+        "importance_sampling_ratio/min": values.min() if values.numel() else empty,
+        "importance_sampling_ratio/mean": values.mean() if values.numel() else empty,
+        "importance_sampling_ratio/max": values.max() if values.numel() else empty,
+    }
+    return weight, metrics

@@ -93,7 +93,8 @@ class ExperienceMaker:
         rollout, kept = self.rollout_round(inputs, mode, G), None
         if mode == "train" and args.dynamic_sampling:
             rollout, kept = self.keep_groups_with_signal(rollout, G)
-        batch = {key: rollout[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logps")
+        batch = {key: rollout[key] for key in keys if key in rollout}
         B, total = len(rollout["prompts"]), rollout["total"]  # total: [N], the whole generation batch
         start = trainer.accelerator.process_index * B
         if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
@@ -232,7 +233,8 @@ class ExperienceMaker:
             )
             prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
             with self.model_for_generation() as unwrapped:
-                completion_ids, completion_mask, is_truncated = self.engine_for(unwrapped).generate(
+                engine = self.engine_for(unwrapped)
+                completion_ids, completion_mask, is_truncated = engine.generate(
                     unwrapped, prompt_ids, prompt_mask
                 )  # [B, T], [B, T], [B]
             sample = {
@@ -242,6 +244,9 @@ class ExperienceMaker:
                 "completion_mask": completion_mask,
                 "is_truncated": is_truncated,
             }
+            sampling_logps = getattr(engine, "sampling_logps", None)  # [B, T] the sampler's own (vllm)
+            if sampling_logps is not None and sampling_logps.shape == completion_mask.shape:
+                sample["sampling_logps"] = sampling_logps.masked_fill(completion_mask == 0, 0.0)
         self.num_generate_calls += 1
         return pad_to_multiple(sample, self.pad_multiple(), pad), is_prompt_truncated
 
@@ -302,6 +307,8 @@ class ExperienceMaker:
                 trainer.eos_token_ids,
                 sharded=sharded,
                 autocast=trainer.accelerator.autocast,  # for engines that call a model autocast does not wrap
+                args=trainer.args,  # for the engines that take settings from it (vllm)
+                accelerator=trainer.accelerator,
             )
             logger.info(why)
         return self.engine

@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_start = time.time()
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     extra["train_runtime_s"] = time.time() - train_start
+    if trainer.rollout is not None:  # vLLM: shut it down before the process group is destroyed at the end
+        trainer.rollout.close()
 
     if args.eval_after:
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled

@@ -44,8 +44,10 @@ def naive_grpo_loss(
     importance_sampling_level,
     max_completion_length,
     num_items_in_batch,
+    sampling_weight=None,
 ):
-    """Returns (loss, metrics). Only `logps` carries a graph: each logps[i, t] is its own scalar node."""
+    """Returns (loss, metrics). Only `logps` carries a graph: each logps[i, t] is its own scalar node.
+    `sampling_weight(i, t)`, when given, multiplies each policy term (not the KL)."""
     N, T = logps.shape
     eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
     lp = [[logps[i, t] for t in range(T)] for i in range(N)]
@@ -66,13 +68,15 @@ def naive_grpo_loss(
     def k3(x):
         return torch.exp(x) - x - 1
 
+    weight = sampling_weight or (lambda i, t: 1.0)
+
     clipped_low = clipped_high = 0
     kl_total = 0.0
     if importance_sampling_level == "sequence_sum":
         J = zero
         for i in range(N):
             s = torch.exp(sum((lp[i][t] - old[i][t] for t in tokens[i]), zero))
-            l_i = surrogate(s, A[i])
+            l_i = surrogate(s, A[i]) * weight(i, None)
             if beta != 0:
                 d = sum((ref[i][t] - lp[i][t] for t in tokens[i]), zero)
                 kl_total += k3(d).item() / N
@@ -89,7 +93,7 @@ def naive_grpo_loss(
                 s = torch.exp(sum((lp[i][t] - old[i][t] for t in tokens[i]), zero) / max(len(tokens[i]), 1))
             for t in tokens[i]:
                 rho = torch.exp(lp[i][t] - old[i][t]) if importance_sampling_level == "token" else s
-                l_it = surrogate(rho, A[i])
+                l_it = surrogate(rho, A[i]) * weight(i, t)
                 if beta != 0:
                     x = ref[i][t] - lp[i][t]
                     kl_total += k3(x).item() / total_tokens

@@ -109,11 +109,22 @@ def _next_token_probs(model, input_ids, settings) -> torch.Tensor:
 @torch.no_grad()
 @pytest.mark.parametrize("engine", ["loop", "cuda_graph"])
 def test_engines_draw_from_the_models_distribution(tokenizer, engine):
-    """The first two sampled tokens of 20,000 rows follow the exact distribution (repetition penalty, temperature,
-    top-k, top-p, EOS -> pad), computed token by token from the model; leaving out any one setting would be far off."""
     model = build_tiny_model(tokenizer, seed=8).eval()
     model.lm_head.weight.mul_(20)  # peaked logits, so that every sampling setting changes the distribution
-    settings = {"repetition_penalty": 1.5, "temperature": 0.7, "top_k": 12, "top_p": 0.9}
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    # cuda_graph runs its decode step eagerly on the CPU
+    assert_draws_follow_the_model(
+        model, tokenizer, lambda config, *rows: engine_class(engine)(config, [eos]).sample(model, *rows)
+    )
+
+
+@torch.no_grad()
+def assert_draws_follow_the_model(model, tokenizer, sample, settings=None):
+    """The first two sampled tokens of 20,000 rows follow the exact distribution (repetition penalty, temperature,
+    top-k, top-p, EOS -> pad), computed token by token from the model; leaving out any one setting would be far off.
+    `sample(generation_config, prompt_ids, prompt_mask) -> completion_ids [N, >= 2]` is the engine under test."""
+    settings = settings or {"repetition_penalty": 1.5, "temperature": 0.7, "top_k": 12, "top_p": 0.9}
     eos, pad, V = tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)
     prompt = torch.arange(3, V, 2)[None]  # [1, P] every other byte token: the penalty hits about half the vocabulary
     # Exact: p1 from the prompt; p(t2 | t1) from prompt + t1 for every t1; a row that ended with EOS gets pad.
@@ -125,9 +136,7 @@ def test_engines_draw_from_the_models_distribution(tokenizer, engine):
 
     N = 20_000
     config = GenerationConfig(max_new_tokens=2, do_sample=True, pad_token_id=pad, eos_token_id=[eos], **settings)
-    torch.manual_seed(0)
-    sampler = engine_class(engine)(config, [eos])  # cuda_graph runs its decode step eagerly on the CPU
-    completion_ids = sampler.sample(model, prompt.expand(N, -1), torch.ones(N, prompt.size(1)).long())
+    completion_ids = sample(config, prompt.expand(N, -1), torch.ones(N, prompt.size(1)).long())
 
     def total_variation(p, q):
         return 0.5 * (p - q).abs().sum().item()

@@ -7,7 +7,8 @@
   grpo_hf's own decoders.
 - engines, each in its own module, imported when chosen: `loop` (the CPU decoding loop),
   `hf_generate` (`model.generate`, optionally with a static compiled cache), `cuda_graph` (a static
-  KV cache and a decode step captured as one CUDA graph).
+  KV cache and a decode step captured as one CUDA graph), `vllm_engine` (vLLM in this process, or a `vllm serve`
+  through `vllm_server`).
 """
 
 from __future__ import annotations

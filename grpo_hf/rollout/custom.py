@@ -100,7 +100,15 @@ def pad_to_multiple(rollout: dict[str, Any], multiple: int | None, pad_token_id:
     if multiple is None or multiple <= 1:
         return rollout
     padded = dict(rollout)
-    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logps", "ref_logps"):
+    for key in (
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "old_logps",
+        "ref_logps",
+        "sampling_logps",
+    ):
         value = rollout.get(key)
         if value is not None:
             width = value.size(1) + -value.size(1) % multiple

