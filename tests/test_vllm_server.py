@@ -65,28 +65,36 @@ def server(tmp_path_factory, tokenizer):
         log.close()
 
 
-def _train(tmp_path, server, num_processes):
+def _train(tmp_path, server, num_processes, layout="ddp"):
     url, model_dir = server
-    prefix = tmp_path / f"run{num_processes}"
+    prefix = tmp_path / f"run{num_processes}-{layout}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [*command, str(SCRIPT), str(prefix), url, str(model_dir)], capture_output=True, text=True, env=env, timeout=300
+        [*command, str(SCRIPT), str(prefix), url, str(model_dir), layout],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
 
 
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_rows(tmp_path, server, num_processes):
+@pytest.mark.parametrize(("num_processes", "layout"), [(1, "ddp"), (2, "ddp"), (2, "fsdp2")])
+def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_rows(
+    tmp_path, server, num_processes, layout
+):
     """After 2 optimizer steps, every process's greedy completions from the server, for prompts of its own, are its
     model's: the trained weights reached the server (3 pushes: before each rollout) and the rows went back to the
-    process that asked for them."""
-    results = _train(tmp_path, server, num_processes)
+    process that asked for them. Under FSDP2 the policy is sharded (DTensors) and the pushed weights are gathered
+    from the shards."""
+    results = _train(tmp_path, server, num_processes, layout)
     for result in results:
         assert result["equal"] and result["tokens"] > 0
         assert result["pushes"] == 3
         assert len(result["losses"]) == 2
+        assert result["sharded"] == (layout == "fsdp2")
 
 
 def _args(tmp_path, url, **overrides):

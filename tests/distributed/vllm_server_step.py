@@ -1,13 +1,15 @@
 """GRPO steps with rollouts from a running `vllm serve` (vllm_mode="server"), under torchrun with 1 or 2 processes.
 
-    python tests/distributed/vllm_server_step.py OUT_PREFIX BASE_URL MODEL_DIR
+    python tests/distributed/vllm_server_step.py OUT_PREFIX BASE_URL MODEL_DIR [fsdp2]
 
 Trains the model saved in MODEL_DIR (the one the server started from) for 2 optimizer steps, then each process
 samples greedily from the server for prompts of its own (different on each process) and compares with its own
 `model.generate`: equal tokens mean that the trained weights reached the server and that each process got its own
-rows back. Writes OUT_PREFIX-<rank>.json.
+rows back. With `fsdp2`, the policy is sharded with FSDP2 (accelerate's FSDP path, let run on CPU by the sharded
+harness's patch): process 0 pushes weights gathered from the shards. Writes OUT_PREFIX-<rank>.json.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -22,10 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 from conftest import exit_without_teardown  # noqa: E402
 
 from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf.parallel import fsdp2_gathered  # noqa: E402
 from grpo_hf.rollout import tokenize_prompts  # noqa: E402
 
 
-def main(prefix: str, base_url: str, model_dir: str) -> None:
+def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> None:
+    sharding = {}
+    if layout == "fsdp2":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from sharded import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+        sharding = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = GRPOConfig(
@@ -44,6 +54,7 @@ def main(prefix: str, base_url: str, model_dir: str) -> None:
         report_to="none",
         save_strategy="no",
         seed=0,
+        **sharding,
     )
     dataset = Dataset.from_dict({"prompt": ["Hi", "2+2=", "abc", "The fox"] * 2})
     reward = lambda completion_ids, **kw: [float(len(set(ids))) for ids in completion_ids]  # noqa: E731
@@ -57,14 +68,19 @@ def main(prefix: str, base_url: str, model_dir: str) -> None:
     engine = trainer.rollout
     engine.generation_config = config
     ours = engine.generate(trainer.model.eval(), prompt_ids, prompt_mask)
-    reference = trainer.model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, eos_token_id=engine.eos_token_ids
-    )[:, prompt_ids.size(1) :]
+    with fsdp2_gathered(trainer.model) if layout == "fsdp2" else contextlib.nullcontext():  # per-process generate
+        reference = trainer.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            eos_token_id=engine.eos_token_ids,
+        )[:, prompt_ids.size(1) :]
     mask = ours.completion_mask.bool()
     result = {
         "equal": bool(torch.equal(ours.completion_ids[mask], reference[:, : mask.size(1)][mask])),
         "pushes": len(engine.push_seconds),
         "tokens": int(mask.sum()),
+        "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),  # DTensor shards
         "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
     }
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
@@ -73,4 +89,4 @@ def main(prefix: str, base_url: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
