@@ -490,6 +490,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 )
             self.rollout_engine = "generate"
         self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
+        self.vllm_kwargs = as_dict(self.vllm_kwargs, "vllm_kwargs")  # JSON text (the command line) read here, once
         from grpo_hf.rollout.engine import ENGINES
 
         if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:

@@ -40,15 +40,7 @@ from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import (
-    LOSS_VARIANTS,
-    EntropyControl,
-    _off_policy_mask,
-    entropy_bonus,
-    grpo_loss,
-    high_entropy_mask,
-    sampling_importance_weights,
-)
+from grpo_hf.core import LOSS_VARIANTS, EntropyControl, _off_policy_mask, entropy_bonus, grpo_loss, high_entropy_mask
 from grpo_hf.experience import ExperienceMaker
 from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
 from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
@@ -59,6 +51,7 @@ from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
 from grpo_hf.rollout import RepeatSampler, RolloutEngine, eos_token_ids_of
+from grpo_hf.vllm_config import vllm_sampling_weight
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +423,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         when it is on (`core.entropy_bonus`), plus `router_aux_loss_coef` x the mean of the MoE load-balancing losses
         `router_aux` of its forwards (TRL). Evaluation (`train=False`): on-policy, nothing accumulated."""
         args, mask = self.args, batch["completion_mask"]
-        sampling_weight, sampling_metrics = self._sampling_weight(logps, batch) if train else (None, {})
+        sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
         loss, metrics = grpo_loss(
             logps,
             batch.get("old_logps"),
@@ -457,21 +450,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             metrics["aux_loss"] = aux_loss.item()
             loss = loss + self.router_aux_loss_coef * aux_loss
         return loss, metrics
-
-    def _sampling_weight(self, logps: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor | None, dict]:
-        """vLLM's importance-sampling correction (`core.sampling_importance_weights`): the weight pi_old / pi_vllm
-        [B, T] or [B, 1] and its metrics, or (None, {}) without vLLM log-probs or with the correction off. Without old
-        log-probs (no optimizer step since the rollout) pi_old is the current policy's detached log-probs."""
-        settings = self.args.sampling_correction_kwargs()
-        if settings is None or batch.get("sampling_logps") is None:
-            return None, {}
-        old_logps = batch.get("old_logps")
-        old_logps = logps.detach() if old_logps is None else old_logps
-        weight, values = sampling_importance_weights(
-            old_logps, batch["sampling_logps"], batch["completion_mask"], **settings
-        )
-        floats = torch.stack(list(values.values())).tolist()  # one sync per micro-batch
-        return weight, {f"sampling/{name}": value for name, value in zip(values, floats, strict=True)}
 
     def _router_aux(self, kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
         """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob

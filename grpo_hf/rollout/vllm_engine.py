@@ -44,9 +44,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None):
         super().__init__(generation_config, eos_token_ids)
         if args is None:
-            from grpo_hf.config import GRPOConfig
-
-            args = GRPOConfig(output_dir="unused", use_vllm=True, report_to="none")
+            raise ValueError("The vllm engine takes its settings from the trainer's GRPOConfig: pass args=...")
         self.args, self.accelerator = args, accelerator
         self.backend = None  # made at the first rollout, when the model is known
         self.stale = True  # the weights changed since the last push (or were never pushed)
@@ -167,8 +165,6 @@ def _merged_lora_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for these settings: the model's dtype, a context of prompt + completion,
     processed log-probs; on CPU eager mode (vLLM's compile step costs minutes there); `vllm_kwargs` over them."""
-    from grpo_hf.config import as_dict
-
     kwargs: dict[str, Any] = {
         "dtype": str(dtype).removeprefix("torch."),
         "load_format": "dummy",  # the weights are pushed before the first rollout
@@ -188,7 +184,7 @@ def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dic
         kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
     else:
         kwargs["enforce_eager"] = True
-    return {**kwargs, **as_dict(args.vllm_kwargs, "vllm_kwargs")}
+    return {**kwargs, **(args.vllm_kwargs or {})}  # a dict: GRPOConfig reads JSON text when it is built
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
