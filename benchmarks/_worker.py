@@ -218,7 +218,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         record["rss_before_train_mib"] = _rss_mib()
         trainer.train()
-        record["weight_push_seconds"] = getattr(trainer.rollout, "push_seconds", None)  # the vllm engine's
+        record["weight_push_seconds"] = getattr(getattr(trainer, "rollout", None), "push_seconds", None)  # vllm
 
     record["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     record["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
