@@ -2,7 +2,7 @@
 
 Pure tensor functions: they take tensors and numbers, never a config object, and import only torch.
 Tensors are `[N]` (one value per completion) or `[N, T]` (one per completion token); a group is
-G = `num_generations` consecutive rows. Names follow DESIGN.md §6; the formulas are DESIGN.md §5.
+G = `num_generations` consecutive rows. Names follow docs/design.md ("Names"); the formulas are its "The maths".
 
 Papers implemented
 ------------------
@@ -32,7 +32,7 @@ Where this code departs from the papers
 - `old_logps=None` (on-policy): rho = exp(logps - logps.detach()) = 1 with gradient d logps, i.e.
   pi_old = pi_theta numerically, the single-update case of the papers. Clipping never triggers then.
 
-Formula -> function map (DESIGN.md §5)
+Formula -> function map (docs/design.md ("The maths"))
 --------------------------------------
 Each formula, then the function and the expression in it that computes it.
 
@@ -116,7 +116,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # DESIGN.md §5's four; every loss type: `tuple(LOSS_VARIANTS)`
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # docs/design.md's four; every loss type: `tuple(LOSS_VARIANTS)`
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -345,7 +345,7 @@ def grpo_loss(
     policy_mask: Tensor | None = None,
     sampling_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The clipped, KL-regularised GRPO loss of DESIGN.md §5 and its metrics: returns `(-J, metrics)`.
+    """The clipped, KL-regularised GRPO loss of docs/design.md ("The maths") and its metrics: returns `(-J, metrics)`.
 
     Args:
         logps: `[N, T]` log pi_theta of the completion tokens, with gradient. Padded positions must be finite.
@@ -354,7 +354,7 @@ def grpo_loss(
         advantages: `[N]` from `group_advantages`.
         completion_mask: `[N, T]` float or bool, 1 on completion tokens up to and including EOS.
         loss_type: the per-token surrogate and how per-token terms become J (`LOSS_VARIANTS`): "grpo", "bnpo",
-            "dr_grpo", "dapo" (DESIGN.md §5), or TRL 1.16's "cispo", "sapo", "luspo", "vespo" (module docstring).
+            "dr_grpo", "dapo" (docs/design.md), or TRL 1.16's "cispo", "sapo", "luspo", "vespo" (module docstring).
         epsilon, epsilon_high: clip range [1 - epsilon, 1 + epsilon_high]; `epsilon_high` defaults to `epsilon`.
             For "cispo", `epsilon_high` is the cap of the importance weight itself (TRL; ScaleRL's eps_max).
         beta: weight of the k3 KL to the reference. At 0 the KL is not computed at all.

@@ -1,7 +1,7 @@
 """One generation batch of prompt rows -> scored completions with advantages -> the micro-batches of a rollout.
 
-`ExperienceMaker` is the rollout half of a GRPO step (DESIGN.md §3); OpenRLHF calls it an experience maker, TRL's
-trainer `_generate_and_score_completions`. For this process's prompt rows it:
+`ExperienceMaker` is the rollout half of a GRPO step (docs/design.md, "One training step"); OpenRLHF calls it an
+experience maker, TRL's trainer `_generate_and_score_completions`. For this process's prompt rows it:
 
 1. tokenizes the prompts and samples completions with the rollout engine (`grpo_hf.rollout`), or takes them
    from the user's `rollout_func` (`rollout.custom`);

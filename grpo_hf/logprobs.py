@@ -283,7 +283,7 @@ def backward_per_group(
     """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
 
     `loss_fn(logps [B, T]) -> (loss, metrics)` is the loss of the whole micro-batch. Every GRPO loss is a
-    sum of per-row terms once advantages and normalisers are fixed (DESIGN.md §5), so its gradient with
+    sum of per-row terms once advantages and normalisers are fixed (docs/design.md ("The maths")), so its gradient with
     respect to one group's log-probs depends on that group's rows only. For each group: its log-probs
     (with gradient) go into the full [B, T] tensor, whose other rows hold detached values (log-probs of
     earlier groups, placeholders for later ones), and `backward_fn(loss)` backpropagates the full loss,

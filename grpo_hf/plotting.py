@@ -1,7 +1,7 @@
 """Training curves from `Trainer.state.log_history`, drawn with matplotlib (Agg backend, no display needed).
 
 One panel per quantity against the optimizer step: the total reward and each `rewards/<func>/mean`,
-`kl`, `completions/mean_length` and `clip_ratio/region_mean` (the metric names of DESIGN.md §5).
+`kl`, `completions/mean_length` and `clip_ratio/region_mean` (the metric names of docs/design.md ("The maths")).
 Series that were never logged are skipped, so a run with `beta=0` simply has no KL panel.
 """
 

@@ -1,6 +1,6 @@
 """`GRPOTrainer`: GRPO on `transformers.Trainer`.
 
-One optimizer step (DESIGN.md §3)::
+One optimizer step (docs/design.md ("One training step"))::
 
     dataloader: one generation batch of prompts, each repeated G times (RepeatSampler)
       -> rollout engine .generate    completion_ids [N, T], completion_mask [N, T], is_truncated [N]
@@ -19,7 +19,7 @@ The trainer wires pieces together; each lives in its own module:
   finite; `metrics`: what a log row averages; `callbacks`: what happens around the optimizer step;
   `checkpoint`: whole-or-absent checkpoints and the run state that makes a resume exact.
 
-The loss is the one in DESIGN.md §5 exactly; the one place where the trainer touches it is the
+The loss is the one in docs/design.md ("The maths") exactly; the one place where the trainer touches it is the
 gradient-accumulation / data-parallel rescaling of `dapo` (see `_loss`).
 """
 

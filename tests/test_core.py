@@ -1,4 +1,5 @@
-"""grpo_hf.core against naive loops written straight from DESIGN.md §5, hand-worked cases and memory bounds."""
+"""grpo_hf.core against naive loops written straight from docs/design.md ("The maths"), hand-worked cases and memory
+bounds."""
 
 import itertools
 import math
@@ -26,7 +27,7 @@ F64 = torch.float64
 TIGHT = dict(atol=1e-12, rtol=1e-12)  # fp64: the vectorised code and the loops differ only by summation order
 
 # ---------------------------------------------------------------------------------------------------------------
-# The reference: DESIGN.md §5 as per-sample, per-token Python loops over scalars
+# The reference: docs/design.md ("The maths") as per-sample, per-token Python loops over scalars
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -378,7 +379,7 @@ def test_identical_rewards_give_exactly_zero(scale_rewards, dtype):
 
 
 def loop_advantages(rewards, G, scale_rewards):
-    """DESIGN.md §5 advantages with `statistics` over the non-NaN rewards of each group."""
+    """docs/design.md ("The maths") advantages with `statistics` over the non-NaN rewards of each group."""
     values = rewards.tolist()
     valid = [v for v in values if not math.isnan(v)]
     batch_std = statistics.stdev(valid) if len(valid) > 1 else 0.0

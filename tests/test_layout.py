@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md §2): `trainer.py` stays a table of contents, and imports run one way."""
+"""The package's shape (docs/design.md ("Layout")): `trainer.py` stays a table of contents, and imports run one way."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reward functions for GRPO: answer verifiers, format checks, code execution, a registry, and the calling machinery.
 
-Every reward function has TRL's signature (DESIGN.md §4)::
+Every reward function has TRL's signature (docs/design.md ("The public contract"))::
 
     fn(prompts, completions, completion_ids=None, trainer_state=None, **columns) -> list[float | None]
 

@@ -4,7 +4,7 @@
   generation batch is served to `repeat_count` training micro-steps; `RepeatedStream`, the same order for a stream.
 - `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
   and encodes each distinct prompt once (a group's G copies share one encoding).
-- `completion_mask` marks completion tokens up to and including the first EOS (DESIGN.md §5, `m`).
+- `completion_mask` marks completion tokens up to and including the first EOS (docs/design.md ("The maths"), `m`).
 - `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
 - `split_into_slices` cuts a generation batch into the micro-batches that training steps take.
 """
