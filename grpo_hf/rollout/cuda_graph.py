@@ -476,8 +476,8 @@ class CUDAGraphEngine(RolloutEngine):
         except (RuntimeError, *_COMPILE_ERRORS) as error:
             for tensor, copy in saved:
                 tensor.copy_(copy)
-            bucket.eager = True
             self._warn_fallback(bucket, error, limit)
+            bucket.compiled = bucket.eager = True
             decode_step(model, bucket.cache, state, bucket.settings, keyword)
             return decode_step
         bucket.trial_calls += 1
@@ -510,7 +510,6 @@ class CUDAGraphEngine(RolloutEngine):
             _RECOMPILE_LIMIT,
         )
         logger.debug("cuda_graph: the error in full", exc_info=error)
-        bucket.compiled = True
 
     def _compiles(self, model) -> bool:
         if self.compile is None:

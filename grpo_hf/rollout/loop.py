@@ -132,7 +132,7 @@ def sample_groups(
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
     generation_config = resolve_sampling_settings(model, generation_config)
     processors = logits_processors(generation_config, prompt_mask)
-    forward = _Forward(model)
+    keyword = cache_keyword(model)  # looked up once, not per token
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
@@ -148,24 +148,21 @@ def sample_groups(
             _take_cache_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
             processors = logits_processors(generation_config, prompt_mask[rows])
-        logits = forward.next_logits(tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache)
+        logits = _next_logits(
+            model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache, keyword
+        )
     return sequences[:, P : P + t + 1]  # [N, T]
 
 
-class _Forward:
-    """One decode step's forward, with the cache keyword the model takes (`cache_keyword`, looked up once)."""
-
-    def __init__(self, model):
-        self.model, self.cache_keyword = model, cache_keyword(model)
-
-    def next_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache):
-        """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache extended."""
-        output = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_keyword: cache},
-        )
-        return output.logits[:, -1].float()
+def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
+    """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache (passed as
+    `keyword`, `cache_keyword`) extended."""
+    output = model(
+        input_ids=tokens[:, None],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{keyword: cache},
+    )
+    return output.logits[:, -1].float()
