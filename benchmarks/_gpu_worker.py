@@ -320,25 +320,33 @@ def count_syncs(meter: GenerationMeter) -> dict:
     return {"syncs": syncs, "sync_messages": dict(messages.most_common(5)), "replay_decode_steps": steps}
 
 
-def count_launches(meter: GenerationMeter) -> dict:
-    """GPU kernels and host-side launch calls in one replayed generation call, from `torch.profiler` (the launch calls'
-    names are kept, to check what was counted)."""
+def kernels_and_launches(prof) -> tuple[int, Counter]:
+    """From a finished `torch.profiler` run: the GPU kernels it saw (inside CUDA graphs too, where CUPTI reports them;
+    copies and memsets left out) and the host-side launch calls by name (a CUDA graph replay is one)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        steps = meter.replay()
     results = getattr(prof.profiler, "kineto_results", None)
     # The raw events when torch exposes them: no Python event tree for the ~10^5-10^6 events of a long decode.
     if results is not None:
         events = [(e.name(), e.device_type()) for e in results.events()]
     else:
         events = [(e.name, e.device_type) for e in prof.events()]
-    del prof, results
     kernels = sum(1 for name, kind in events if kind == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")))
     launch_names = Counter(name for name, kind in events if kind == DeviceType.CPU and name.startswith(HOST_LAUNCHES))
+    return kernels, launch_names
+
+
+def count_launches(meter: GenerationMeter) -> dict:
+    """GPU kernels and host-side launch calls in one replayed generation call, from `torch.profiler` (the launch calls'
+    names are kept, to check what was counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = meter.replay()
+    kernels, launch_names = kernels_and_launches(prof)
+    del prof
     if kernels == 0 and not launch_names:
-        raise RuntimeError(f"the profiler saw no CUDA activity ({len(events)} events in all)")
+        raise RuntimeError("the profiler saw no CUDA kernel and no launch call")
     return {
         "kernels": kernels,
         "launches": sum(launch_names.values()),

@@ -98,15 +98,13 @@ def counters() -> dict:
 
 
 def launches(engine, model, ids, mask) -> dict:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = engine.sample(model, ids, mask)
         torch.cuda.synchronize()
-    events = [(e.name(), e.device_type()) for e in prof.profiler.kineto_results.events()]
-    kernels = sum(1 for n, k in events if k == DeviceType.CUDA and not n.startswith(("Memcpy", "Memset")))
-    host = sum(1 for n, k in events if k == DeviceType.CPU and n.startswith(_gpu_worker.HOST_LAUNCHES))
+    kernels, launch_names = _gpu_worker.kernels_and_launches(prof)
+    host = sum(launch_names.values())
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
     return {"kernels_per_token": kernels / out.size(1), "launches_per_token": host / out.size(1), "kernels": table}
 
