@@ -49,6 +49,7 @@ def main() -> None:
 
     import grpo_hf.experience as experience_module
     import grpo_hf.trainer as trainer_module
+    from grpo_hf.logprobs import LogprobPath
     from grpo_hf.rollout import RolloutEngine
 
     transformers.logging.set_verbosity_error()
@@ -71,7 +72,7 @@ def main() -> None:
     cls = trainer_module.GRPOTrainer
     RolloutEngine.generate = timed("generate", RolloutEngine.generate)
     experience_module.compute_rewards = timed("rewards", experience_module.compute_rewards)
-    cls._logps_in_chunks = timed("no-grad log-probs", cls._logps_in_chunks)
+    LogprobPath.no_grad = timed("no-grad log-probs", LogprobPath.no_grad)
     training_step = cls.training_step
     inner = ("generate", "rewards", "no-grad log-probs")
 
@@ -79,7 +80,7 @@ def main() -> None:
         before = sum(current[name] for name in inner)
         start = time.perf_counter()
         loss = training_step(self, *a, **k)
-        # training_step = the timed phases it calls (through compute_loss) + the policy's forward, loss and backward.
+        # training_step = the timed phases it calls (through _prepare_inputs) + the policy's forward, loss and backward.
         elapsed = time.perf_counter() - start
         current["loss forward + backward"] += elapsed - (sum(current[name] for name in inner) - before)
         return loss

@@ -39,16 +39,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = _worker.build_trainer("grpo_hf", "a", 1, 0, False, output_dir, {"use_vllm": True})
         inputs = next(iter(trainer.get_train_dataloader()))
-        batch = trainer.experience.make(inputs, "train")  # one rollout: starts vLLM, pushes, samples
+        metrics, G = trainer._metrics["train"], trainer.args.num_generations
+        batch = trainer.experience.rollout_round(inputs, G, metrics)  # one rollout: starts vLLM, pushes, samples
         model, engine = trainer.model, trainer.rollout
         pushes = [engine.backend.push(model) for _ in range(args.pushes)]
-        mask = batch["completion_mask"].bool()
+        mask = batch.completion_mask.bool()
         with torch.no_grad():
-            old_logps = trainer._logps_in_chunks(model, batch)  # [B, T] the no-grad forward
-        kwargs = trainer._logprob_kwargs(model)
+            old_logps = trainer.logps.no_grad(model, batch)  # [B, T] the no-grad forward
+        kwargs = trainer.logps.kwargs(model)
         logps, _ = completion_logps(model, batch, share_prefix=kwargs.pop("share_prefix"), **kwargs)  # with grad
         logps = logps.detach()
-    sampling = batch["sampling_logps"]
+    sampling = batch.sampling_logps
     settings = {"mode": "sequence_mask", "clip_min": None, "clip_max": 3.0}
     w_old, _ = sampling_importance_weights(old_logps, sampling, mask, **settings)
     w_now, _ = sampling_importance_weights(logps, sampling, mask, **settings)
@@ -66,7 +67,7 @@ def main() -> None:
         "importance_weight_max_difference": (w_old - w_now).abs().max().item(),
         "importance_weight_range": [w_old.min().item(), w_old.max().item()],
     }
-    result["first_completion"] = trainer.processing_class.decode(batch["completion_ids"][0][mask[0]])
+    result["first_completion"] = trainer.processing_class.decode(batch.completion_ids[0][mask[0]])
     print(json.dumps(result, indent=1))
 
 

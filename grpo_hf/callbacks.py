@@ -1,81 +1,96 @@
 """The `TrainerCallback`s a `GRPOTrainer` installs on itself: what happens around Trainer's optimizer step.
 
-- `AfterOptimizerStep`: drops a step's update when a non-finite value was met (`on_nonfinite="skip_step"`), stops
-  every process at the same step on SIGTERM / Ctrl-C (`checkpoint.StopRequest`), logs the log-prob path and aligns
-  the precision guard's step count (for a resumed run) at the start of training, and tells the rollout engine that
-  the weights changed.
+Each is given the objects it acts on when it is built, never the trainer:
+
+- `SkipNonfiniteUpdates`: drops a step's update when a non-finite value was met (`on_nonfinite="skip_step"`,
+  `guards.NonfiniteGuard`).
+- `StopTogether`: stops every process at the same step on SIGTERM / Ctrl-C (`checkpoint.StopRequest`).
+- `RefreshRolloutWeights`: tells the rollout engine that the policy's weights changed (and at the start of
+  training, for a resumed run's).
+- `AnnounceStart`: at the start of training, logs the log-prob path and aligns the precision guard's step count
+  (a resumed run measures at the same steps as an unbroken one).
 - `SyncReference`: TR-DPO's reference update (`sync_ref_model`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from torch import nn
 from transformers import TrainerCallback
 
+from grpo_hf.checkpoint import StopRequest
 from grpo_hf.core import mix_parameters_
+from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.parallel import is_zero3, sum_over_processes
-
-if TYPE_CHECKING:
-    from grpo_hf.trainer import GRPOTrainer
 
 logger = logging.getLogger(__name__)
 
 
-class AfterOptimizerStep(TrainerCallback):
-    """Skipped updates, stop requests, the log-prob path's log line, and the rollout engine's weight refresh."""
+class SkipNonfiniteUpdates(TrainerCallback):
+    """Before the optimizer step: no update at all when `guard` met a non-finite value in this step."""
 
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, guard: NonfiniteGuard, metrics: dict[str, list[float]]):
+        self.guard, self.metrics = guard, metrics  # metrics: the train mode's values
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if trainer._skip_update:  # a non-finite value this step, with on_nonfinite="skip_step": no update at all
-            for param in trainer.model.parameters():
-                param.grad = None  # optimizers leave parameters without a gradient (and their state) untouched
-            trainer._skip_update = False
-            trainer._skipped_steps += 1
-            trainer._metrics["train"]["nonfinite/skipped_steps"].append(float(trainer._skipped_steps))
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.guard.drop_update(model):
+            self.metrics["nonfinite/skipped_steps"].append(float(self.guard.skipped_steps))
+
+
+class StopTogether(TrainerCallback):
+    """At each step end: when one process received a stop signal (`request`), every process saves and stops here."""
+
+    def __init__(self, request: StopRequest, accelerator):
+        self.request, self.accelerator = request, accelerator
 
     def on_step_end(self, args, state, control, **kwargs):
-        request = self.trainer._stop_request
-        if request is not None:
-            # one process signalled: all stop at this same step
-            if sum_over_processes(self.trainer.accelerator, int(request.received is not None)) > 0:
-                control.should_save = args.save_strategy != "no"
-                control.should_training_stop = True
+        if sum_over_processes(self.accelerator, int(self.request.received is not None)) > 0:
+            control.should_save = args.save_strategy != "no"
+            control.should_training_stop = True
+
+
+class RefreshRolloutWeights(TrainerCallback):
+    """The rollout engine follows the policy: `weights_updated(model)` (unwrapped) after every optimizer step, and
+    at the start of training (a resumed run's weights came from a checkpoint)."""
+
+    def __init__(self, weights_updated: Callable[[nn.Module], None], accelerator):
+        self.weights_updated, self.accelerator = weights_updated, accelerator
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.weights_updated(self.accelerator.unwrap_model(model))
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.weights_updated(self.accelerator.unwrap_model(model))
+
+
+class AnnounceStart(TrainerCallback):
+    """At the start of training: log `describe()` (the log-prob path), and give the precision guard, if there is one
+    by then (`guard()`), the step count training starts from."""
+
+    def __init__(self, describe: Callable[[], str], guard: Callable[[], object]):
+        self.describe, self.guard = describe, guard
 
     def on_train_begin(self, args, state, control, **kwargs):
-        blocker = self.trainer._shared_prefix_blocker(self.trainer.model_wrapped)
-        logger.info(
-            "log-prob path: shared prompt prefix"
-            + (", one group's backward at a time" if args.backward_per_group else "")
-            if blocker is None
-            else f"log-prob path: one padded forward over prompt + completion rows ({blocker})"
-        )
-        if self.trainer.precision_guard is not None:  # a resumed run measures at the same steps as an unbroken one
-            self.trainer.precision_guard.steps = state.global_step
-        if self.trainer.rollout is not None:  # a resumed run's weights came from a checkpoint: an engine re-syncs
-            self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer.rollout is not None:
-            self.trainer.rollout.on_weights_updated(self.trainer.accelerator.unwrap_model(self.trainer.model))
+        logger.info(self.describe())
+        guard = self.guard()
+        if guard is not None:
+            guard.steps = state.global_step
 
 
 class SyncReference(TrainerCallback):
     """TR-DPO (`sync_ref_model`): after every `ref_model_sync_steps`-th optimizer step, the reference model becomes
-    alpha x policy + (1 - alpha) x reference (`core.mix_parameters_`), parameter by parameter, as TRL does it."""
+    alpha x policy + (1 - alpha) x reference (`mix_parameters_`), parameter by parameter, as TRL does it."""
 
-    def __init__(self, trainer: GRPOTrainer):
-        if trainer.ref_model is None:  # LoRA: the reference is the base model with the adapters off
+    def __init__(self, policy: Callable[[], nn.Module], reference: nn.Module | None, accelerator, alpha: float):
+        if reference is None:  # LoRA: the reference is the base model with the adapters off
             raise NotImplementedError(
                 "sync_ref_model=True with a PEFT model: the reference is the policy with its adapters disabled, not "
                 "a separate model, so there is nothing to synchronize (TRL does not support it either). Use "
                 "sync_ref_model=False, or full fine-tuning."
             )
-        self.trainer = trainer
+        self.policy, self.reference, self.accelerator, self.alpha = policy, reference, accelerator, alpha
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.ref_model_sync_steps == 0:
@@ -84,16 +99,15 @@ class SyncReference(TrainerCallback):
     def sync(self) -> None:
         """Reference <- alpha x policy + (1 - alpha) x reference, in place. Under DeepSpeed ZeRO-3 the shards are
         gathered and process 0 mixes them (as TRL does)."""
-        trainer = self.trainer
-        policy = trainer.accelerator.unwrap_model(trainer.model)
-        reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+        policy = self.accelerator.unwrap_model(self.policy())
+        reference = self.accelerator.unwrap_model(self.reference)
         targets, sources = list(reference.parameters()), list(policy.parameters())
-        alpha = trainer.args.ref_model_mixup_alpha
-        if is_zero3(trainer.accelerator):
+        if is_zero3(self.accelerator):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(targets + sources, modifier_rank=0):
-                if trainer.accelerator.is_main_process:
-                    mix_parameters_(targets, sources, alpha)
+                if self.accelerator.is_main_process:
+                    mix_parameters_(targets, sources, self.alpha)
         else:
-            mix_parameters_(targets, sources, alpha)
+            mix_parameters_(targets, sources, self.alpha)
+

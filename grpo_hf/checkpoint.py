@@ -166,6 +166,7 @@ class StopRequest:
         logger.warning(f"{self.received}: finishing this optimizer step, saving a checkpoint and stopping.")
 
     def __enter__(self) -> StopRequest:
+        self.received = None  # armed anew for each `train`
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -183,11 +184,14 @@ class AtomicCheckpoints:
 
     The subclass returns its run state from `_run_state()` and restores it in `_load_run_state(path, state)`
     (`state` None: the checkpoint has none for this number of processes); it stops at a step end when
-    `_stop_request.received` is set (`callbacks.AfterOptimizerStep`).
+    `stop_request.received` is set (`callbacks.StopTogether`).
     """
 
     _staging_dir: str | None = None  # set while a checkpoint is written: Trainer's output_dir for it
-    _stop_request: StopRequest | None = None  # set during `train`
+
+    def __init__(self, *args, **kwargs):
+        self.stop_request = StopRequest()  # armed during `train`
+        super().__init__(*args, **kwargs)
 
     def _run_state(self) -> dict[str, Any]:
         return {}
@@ -221,13 +225,13 @@ class AtomicCheckpoints:
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:
             self._load_run_state(resume, self._saved_run_state(resume))
-        with StopRequest() as self._stop_request:
+        with self.stop_request:
             output = super().train(
                 resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
-        if self._stop_request.received:
+        if self.stop_request.received:
             logger.warning(
-                f"Training stopped by {self._stop_request.received} after step {self.state.global_step}, checkpoint "
+                f"Training stopped by {self.stop_request.received} after step {self.state.global_step}, checkpoint "
                 "saved: resume with trainer.train(resume_from_checkpoint=True)."
             )
         return output

@@ -1,4 +1,4 @@
-"""One generation batch of prompt rows -> scored completions with advantages -> the micro-batches of a rollout.
+"""Prompt rows -> a scored `Rollout` with advantages -> the `MicroBatch`es a training step trains on.
 
 `ExperienceMaker` is the rollout half of a GRPO step (docs/design.md, "One training step"); OpenRLHF calls it an
 experience maker, TRL's trainer `_generate_and_score_completions`. For this process's prompt rows it:
@@ -10,44 +10,99 @@ experience maker, TRL's trainer `_generate_and_score_completions`. For this proc
 3. computes group advantages over whole groups (`core.group_advantages`, or GDPO's `decoupled_advantages`) and
    keeps this process's rows; with `dynamic_sampling`, first replaces the groups without signal
    (`rollout.dynamic`);
-4. for training, adds the old and reference log-probs and cuts the batch into micro-batch slices, each with
-   the token count its loss is normalised by.
+4. for training, cuts the rollout into micro-batches (`rollout.batching`) and adds their old and reference
+   log-probs and the token count each loss is normalised by.
 
-It records the rollout's metrics (rewards, lengths, truncation, tokens) and, with `log_completions`, the rows
-to print. It reads the trainer it serves (config, accelerator, tokenizer, reward functions, the trainer state)
-and calls back into it for log-probs (`_logps_in_chunks`, `_reference_logps`) and the non-finite guard.
+It is given everything it uses when it is built (the trainer builds it once): the settings, the accelerator, the
+tokenizer, the reward functions, the models and how to compute their log-probs, the non-finite guard and the
+metrics it records into. It never reaches back into the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from torch import nn
+from torch import Tensor, nn
 
 from grpo_hf.completion_log import completion_rows
 from grpo_hf.core import check_finite_rewards, combine_rewards, decoupled_advantages, group_advantages, reward_metrics
+from grpo_hf.guards import NonfiniteGuard
+from grpo_hf.logprobs import LogprobPath
+from grpo_hf.metrics import Metrics
 from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3, stop_together, sum_over_processes
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
-from grpo_hf.rollout import RolloutEngine, is_conversational, make_engine, split_into_slices, tokenize_prompts
-from grpo_hf.rollout.custom import pad_to_multiple, rollout_from_func
+from grpo_hf.rollout import (
+    MicroBatch,
+    Rollout,
+    RolloutEngine,
+    Sequences,
+    is_conversational,
+    make_engine,
+    split_into_micro_batches,
+    tokenize_prompts,
+)
+from grpo_hf.rollout.custom import rollout_from_func
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
-
-if TYPE_CHECKING:
-    from grpo_hf.trainer import GRPOTrainer
 
 logger = logging.getLogger(__name__)
 
+# The fields of a `Rollout` that hold the whole generation batch, not this process's rows.
+_GLOBAL = ("all_rewards", "combined_rewards")
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """The reward functions of a run, their names (for metrics and messages) and their weights [R]."""
+
+    funcs: list
+    names: list[str]
+    weights: Tensor
+
+
+@dataclass(frozen=True)
+class Models:
+    """The models a rollout uses, as functions: Trainer re-wraps the policy when training starts (DDP, FSDP)."""
+
+    policy: Callable[[], nn.Module]  # the policy as Trainer holds it (`trainer.model`)
+    wrapped: Callable[[], nn.Module]  # the outermost wrapper (`trainer.model_wrapped`), gathered for generation
+    reference: nn.Module | None  # the reference model; None under PEFT (the policy with adapters off) or beta = 0
+
 
 class ExperienceMaker:
-    """The rollouts of one `GRPOTrainer`: `slices` for a training step, `make` for one batch (training or eval)."""
+    """The rollouts of one run: `train_batches` for a training step, `eval_batch` for an evaluation batch."""
 
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
+    def __init__(
+        self,
+        args,
+        accelerator,
+        tokenizer,
+        *,
+        rewards: RewardSet,
+        models: Models,
+        logps: LogprobPath,
+        guard: NonfiniteGuard,
+        metrics: Metrics,
+        state: Callable[[], Any],  # -> Trainer's `TrainerState` (the step, for reward functions and logs)
+        generation: dict[str, Any],  # generation_config, eos_token_ids, chat_template_kwargs, sharded
+        rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
+        train_rows: Callable[[], Any] | None = None,  # -> the train dataset as the dataloader serves it
+    ):
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
+        self.state, self.generation, self.rollout_func, self.train_rows = state, generation, rollout_func, train_rows
+        # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
+        # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
+        # inside one accumulation window.
+        self.needs_old_logps = (
+            args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
+        )
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
@@ -55,69 +110,96 @@ class ExperienceMaker:
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
         self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
 
-    # ---- a training step's rollout -----------------------------------------------------------------------------
-    def slices(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One generation batch -> scored, with old/ref log-probs -> micro-batch slices, each with the completion
-        token count `num_items_in_batch` of the optimizer step it belongs to (over all processes)."""
-        trainer = self.trainer
-        batch = self.make(inputs, "train")
-        with torch.no_grad():
-            batch["old_logps"] = trainer._logps_in_chunks(trainer.model, batch) if trainer._needs_old_logps else None
-            batch["ref_logps"] = trainer._reference_logps(batch)
-        slices = split_into_slices(batch, trainer.args.per_device_train_batch_size)  # trimmed: padded again below
-        pad = trainer.processing_class.pad_token_id
-        slices = [pad_to_multiple(part, self.pad_multiple(), pad) for part in slices]  # pad_to_multiple_of
-        # dapo normalises by the completion tokens of the whole optimizer step (all processes and
-        # accumulation slices). Count them per slice over all processes.
-        tokens = torch.stack([s["completion_mask"].sum() for s in slices]).float()  # [S]
-        accelerator = trainer.accelerator
-        tokens = accelerator.reduce(tokens, "sum") if accelerator.num_processes > 1 else tokens
-        ga, S = trainer.args.gradient_accumulation_steps, len(slices)
-        for k, part in enumerate(slices):
-            if S % ga == 0:  # exact: the optimizer step covers slices [w*ga, (w+1)*ga)
-                window = (k // ga) * ga
-                part["num_items_in_batch"] = tokens[window : window + ga].sum()
-            else:  # an optimizer step spans several rollouts: use this rollout's average
-                part["num_items_in_batch"] = tokens.sum() * ga / S
-        return slices
-
-    def make(self, inputs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
-        """Generate completions for this process's rows, score them, and compute advantages.
-
-        Returns tensors for this process's rows: prompt_ids/prompt_mask [B, P], completion_ids/completion_mask
-        [B, T], advantages [B] (whenever the batch holds whole groups). With `dynamic_sampling`, the rows are those
-        of the groups with signal (`keep_groups_with_signal`).
-        """
-        trainer, args = self.trainer, self.trainer.args
-        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
-        rollout, kept = self.rollout_round(inputs, mode, G), None
-        if mode == "train" and args.dynamic_sampling:
+    # ---- a training step's micro-batches -------------------------------------------------------------------------
+    def train_batches(self, inputs: list[dict[str, Any]]) -> list[MicroBatch]:
+        """One generation batch of this process's prompt rows -> its micro-batches, each with its old/ref log-probs
+        and the completion token count `num_items_in_batch` of the optimizer step it belongs to (all processes)."""
+        args, G = self.args, self.args.num_generations
+        rollout = self.rollout_round(inputs, G, self.metrics["train"])
+        kept = None
+        if args.dynamic_sampling:
             rollout, kept = self.keep_groups_with_signal(rollout, G)
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logps")
-        batch = {key: rollout[key] for key in keys if key in rollout}
-        B, total = len(rollout["prompts"]), rollout["total"]  # total: [N], the whole generation batch
-        start = trainer.accelerator.process_index * B
-        if total.numel() % G == 0:  # whole groups (always in training; evaluation batches may cut a group)
-            if kept is None:
-                advantages = self.advantages(total, rollout["all_rewards"], G)  # [N]
-            else:  # the group statistics (and a "batch" std) of the kept groups only
-                advantages = torch.zeros_like(total)
-                if bool(kept.any()):
-                    advantages[kept] = self.advantages(total[kept], rollout["all_rewards"][kept], G)
-            batch["advantages"] = advantages[start : start + B]  # [B]
-            if mode == "train" and trainer._nonfinite("advantages", advantages, rollout, G):
-                batch["nonfinite"] = True  # every optimizer step this rollout feeds is skipped
-        if mode != "train":
-            return batch
+        self.set_advantages(rollout, G, kept, check=True)
+        start = self.accelerator.process_index * len(rollout)
         if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
-            batch["completion_mask"] = batch["completion_mask"] * kept[start : start + B].unsqueeze(1).long()
-        self._record_training_rows(rollout, batch)  # counts truncated completions' tokens too (TRL)
+            rollout.completion_mask = rollout.completion_mask * kept[start : start + len(rollout)].unsqueeze(1).long()
+        self._record_training_rows(rollout)  # counts truncated completions' tokens too (TRL)
         if args.mask_truncated_completions:
-            batch["completion_mask"] = batch["completion_mask"] * (~rollout["is_truncated"]).unsqueeze(1).long()
-            self._warn_if_all_masked(rollout["is_truncated"])
+            rollout.completion_mask = rollout.completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
+            self._warn_if_all_masked(rollout.is_truncated)
+        batches = self.split(rollout, args.per_device_train_batch_size)
+        with torch.no_grad():
+            for batch in batches:
+                batch.old_logps = self.logps.no_grad(self.models.policy(), batch) if self.needs_old_logps else None
+                batch.ref_logps = self.reference_logps(batch)
+        self._set_token_counts(batches)
+        return batches
+
+    def eval_batch(self, inputs: list[dict[str, Any]]) -> MicroBatch | None:
+        """An evaluation batch, sampled with `num_generations_eval` completions per prompt, scored, with advantages
+        and reference log-probs; None when the batch cuts a group (no advantages, no loss)."""
+        G = self.args.num_generations_eval or self.args.num_generations
+        rollout = self.rollout_round(inputs, G, self.metrics["eval"])
+        if rollout.combined_rewards.numel() % G:
+            return None
+        self.set_advantages(rollout, G)
+        (batch,) = self.split(rollout, len(rollout))
+        batch.ref_logps = self.reference_logps(batch)
         return batch
 
-    def _warn_if_all_masked(self, is_truncated: torch.Tensor) -> None:
+    def split(self, rollout: Rollout, size: int) -> list[MicroBatch]:
+        """`rollout` in micro-batches of `size` rows, each trimmed and padded once (`pad_to_multiple_of`)."""
+        return split_into_micro_batches(rollout.as_batch(), size, self.pad_multiple(), self.tokenizer.pad_token_id)
+
+    def reference_logps(self, batch: Sequences) -> Tensor | None:
+        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with adapters off."""
+        if self.args.beta == 0.0:
+            return None
+        if self.models.reference is not None:
+            return self.logps.no_grad(self.models.reference, batch)
+        policy = self.models.policy()
+        with self.accelerator.unwrap_model(policy).disable_adapter():
+            return self.logps.no_grad(policy, batch)
+
+    def _set_token_counts(self, batches: list[MicroBatch]) -> None:
+        """dapo normalises by the completion tokens of the whole optimizer step (all processes and accumulation
+        slices): count them per micro-batch over all processes, and give each its optimizer step's count."""
+        tokens = torch.stack([batch.num_completion_tokens for batch in batches]).float()  # [S]
+        if self.accelerator.num_processes > 1:
+            tokens = self.accelerator.reduce(tokens, "sum")
+        ga, S = self.args.gradient_accumulation_steps, len(batches)
+        for k, batch in enumerate(batches):
+            if S % ga == 0:  # exact: the optimizer step covers micro-batches [w * ga, (w + 1) * ga)
+                window = (k // ga) * ga
+                batch.num_items_in_batch = tokens[window : window + ga].sum()
+            else:  # an optimizer step spans several rollouts: use this rollout's average
+                batch.num_items_in_batch = tokens.sum() * ga / S
+
+    # ---- advantages ------------------------------------------------------------------------------------------------
+    def set_advantages(self, rollout: Rollout, G: int, kept: Tensor | None = None, check: bool = False) -> None:
+        """This process's rows of the generation batch's advantages [N] (`advantages`); with `kept` [N] (dynamic
+        sampling), the group statistics of the kept groups only, 0 elsewhere. `check`: the non-finite guard."""
+        combined, all_rewards = rollout.combined_rewards, rollout.all_rewards  # [N], [N, R]
+        if kept is None:
+            advantages = self.advantages(combined, all_rewards, G)  # [N]
+        else:
+            advantages = torch.zeros_like(combined)
+            if bool(kept.any()):
+                advantages[kept] = self.advantages(combined[kept], all_rewards[kept], G)
+        if check and self.guard.advantages(advantages, all_rewards, G, self.state().global_step + 1):
+            rollout.nonfinite = True  # every optimizer step this rollout feeds is skipped
+        start = self.accelerator.process_index * len(rollout)
+        rollout.advantages = advantages[start : start + len(rollout)]  # [B]
+
+    def advantages(self, combined: Tensor, all_rewards: Tensor, G: int) -> Tensor:
+        """Advantages [N] of a generation batch from its combined rewards [N] ("sum_then_normalize":
+        `core.group_advantages` with `scale_rewards`) or from each function's rewards `all_rewards` [N, R]
+        ("normalize_then_sum", GDPO: `core.decoupled_advantages`), per `multi_objective_aggregation`."""
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return decoupled_advantages(all_rewards, G, self.rewards.weights.to(all_rewards.device))
+        return group_advantages(combined, G, self.args.scale_rewards)
+
+    def _warn_if_all_masked(self, is_truncated: Tensor) -> None:
         """mask_truncated_completions with every completion of a rollout truncated trains on nothing: say so (the
         1st, 2nd, 4th, 8th, ... time, with the count)."""
         if not bool(is_truncated.all()):
@@ -127,71 +209,67 @@ class ExperienceMaker:
         if count & (count - 1) == 0:
             logger.warning(
                 f"Every completion of this rollout ({is_truncated.numel()} on this process) reached "
-                f"max_completion_length={self.trainer.args.max_completion_length} without an EOS, and "
+                f"max_completion_length={self.args.max_completion_length} without an EOS, and "
                 "mask_truncated_completions=True masks them all: the step trains on nothing (the policy term is 0). "
                 f"Raise max_completion_length or set mask_truncated_completions=False. ({count} such rollouts so far)"
             )
 
-    def _record_training_rows(self, rollout: dict[str, Any], batch: dict[str, Any]) -> None:
+    def _record_training_rows(self, rollout: Rollout) -> None:
         """The token count (`num_tokens`) and, with `log_completions`, the rows to print at the next log."""
-        trainer = self.trainer
-        tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-        self.num_tokens += sum_over_processes(trainer.accelerator, tokens)
-        trainer._metrics["train"]["num_tokens"].append(float(self.num_tokens))
-        if trainer.args.log_completions:
+        tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
+        self.num_tokens += sum_over_processes(self.accelerator, tokens)
+        self.metrics["train"]["num_tokens"].append(float(self.num_tokens))
+        if self.args.log_completions:
             rows = completion_rows(
-                trainer.state.global_step,
-                rollout["prompts"],
-                rollout["texts"],
-                trainer.reward_func_names,
-                rollout["rewards"],
-                batch["advantages"],
-                rollout["extra"],
+                self.state().global_step,
+                rollout.prompts,
+                rollout.texts,
+                self.rewards.names,
+                rollout.rewards,
+                rollout.advantages,
+                rollout.extra,
             )
-            self.completion_rows = gather_object(rows) if trainer.accelerator.num_processes > 1 else rows
-
-    def advantages(self, total: torch.Tensor, all_rewards: torch.Tensor, G: int) -> torch.Tensor:
-        """Advantages [N] of a generation batch from its combined rewards `total` [N] ("sum_then_normalize":
-        `core.group_advantages` with `scale_rewards`) or from each function's rewards `all_rewards` [N, R]
-        ("normalize_then_sum", GDPO: `core.decoupled_advantages`), per `multi_objective_aggregation`."""
-        args, weights = self.trainer.args, self.trainer.reward_weights
-        if args.multi_objective_aggregation == "normalize_then_sum":
-            return decoupled_advantages(all_rewards, G, weights.to(all_rewards.device))
-        return group_advantages(total, G, args.scale_rewards)
+            self.completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
 
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
-    def rollout_round(self, inputs: list[dict[str, Any]], mode: str, G: int) -> dict[str, Any]:
-        """Tokenize, generate and score this process's rows; record the round's metrics.
-
-        Returns this process's prompt/completion tensors [B, ...], `is_truncated` [B], `rewards` [B, R], the
-        `prompts`, completion `texts` and `extra` (per row, the columns reward functions logged with `log_extra`),
-        and of the whole generation batch the rewards `all_rewards` [N, R] and their combination `total` [N].
-        """
-        trainer = self.trainer
-        accelerator = trainer.accelerator
+    def rollout_round(self, inputs: list[dict[str, Any]], G: int, metrics: dict[str, list[float]]) -> Rollout:
+        """Tokenize, generate and score this process's rows; record the round's metrics into `metrics`."""
+        accelerator = self.accelerator
         prompts = [row["prompt"] for row in inputs]
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
-        sample, is_prompt_truncated = self.sample(prompts, columns)  # [B, ...]; may add columns (rollout_func)
-        completion_ids, is_truncated = sample["completion_ids"], sample["is_truncated"]  # [B, T], [B]
-
-        lengths = sample["completion_mask"].sum(dim=1)  # [B]
+        tokens, is_truncated, sampling_logps, is_prompt_truncated = self.sample(prompts, columns)  # may add columns
+        lengths = tokens.completion_mask.sum(dim=1)  # [B]
         failure = None
         try:
-            rewards, texts, errors, logs = self.score(prompts, columns, completion_ids, lengths)  # [B, R]
+            rewards, texts, errors, logs = self.score(prompts, columns, tokens.completion_ids, lengths)  # [B, R]
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
             failure = error
         stop_together(failure, accelerator, "computing rewards")
         # Whole groups may straddle processes: gather, normalise over the full batch.
         all_rewards = accelerator.gather(rewards)  # [N, R]
-        total = combine_rewards(all_rewards, trainer.reward_weights.to(accelerator.device))  # [N]
-
-        metrics = trainer._metrics[mode]
-        for key, value in reward_metrics(all_rewards, total, trainer.reward_func_names, G).items():
+        combined = combine_rewards(all_rewards, self.rewards.weights.to(accelerator.device))  # [N]
+        for key, value in reward_metrics(all_rewards, combined, self.rewards.names, G).items():
             metrics[key].append(value)
-        if trainer.args.reward_error_policy == "skip":
-            for name in trainer.reward_func_names:
+        if self.args.reward_error_policy == "skip":
+            for name in self.rewards.names:
                 metrics[f"rewards/{name}/errors"].append(float(sum_over_processes(accelerator, errors.get(name, 0))))
-        trainer._metrics.add_logged(mode, logs.metrics, accelerator)
+        self.metrics.add_logged(metrics, logs.metrics, accelerator)
+        self._record_lengths(metrics, lengths, is_truncated, is_prompt_truncated)
+        extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
+        return Rollout(
+            **{f.name: getattr(tokens, f.name) for f in fields(Sequences)},
+            is_truncated=is_truncated,
+            prompts=prompts,
+            texts=texts,
+            rewards=rewards,
+            all_rewards=all_rewards,
+            combined_rewards=combined,
+            extra=extra,
+            sampling_logps=sampling_logps,
+        )
+
+    def _record_lengths(self, metrics, lengths: Tensor, is_truncated: Tensor, is_prompt_truncated: Tensor) -> None:
+        accelerator = self.accelerator
         float_lengths = accelerator.gather(lengths).float()  # [N]
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())
@@ -199,62 +277,40 @@ class ExperienceMaker:
         metrics["completions/clipped_ratio"].append(accelerator.gather(is_truncated).float().mean().item())
         truncated_prompts = sum_over_processes(accelerator, int(is_prompt_truncated.sum()))
         metrics["prompts/num_truncated"].append(float(truncated_prompts))
-        extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
-        return {
-            **sample,
-            "rewards": rewards,
-            "prompts": prompts,
-            "texts": texts,
-            "extra": extra,
-            "all_rewards": all_rewards,
-            "total": total,
-        }
 
-    def sample(self, prompts: list, columns: dict[str, list]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """This process's rollout tensors, `prompt_ids`/`prompt_mask` [B, P], `completion_ids`/`completion_mask`
-        [B, T] and `is_truncated` [B], padded to `pad_to_multiple_of`; and which prompts were truncated [B]. From the
-        rollout engine, or from `rollout_func` (TRL's contract, `rollout.custom`): its extra fields join `columns`."""
-        trainer = self.trainer
-        args, device, pad = trainer.args, trainer.accelerator.device, trainer.processing_class.pad_token_id
-        if trainer.rollout_func is not None:
-            sample, extra = rollout_from_func(
-                trainer.rollout_func,
-                prompts,
-                trainer,
-                pad_token_id=pad,
-                eos_token_ids=trainer.eos_token_ids,
-                device=device,
+    def sample(self, prompts: list, columns: dict[str, list]) -> tuple[Sequences, Tensor, Tensor | None, Tensor]:
+        """This process's tokens (`Sequences`), `is_truncated` [B], the sampler's log-probs [B, T] where the engine
+        has them (vLLM), and which prompts were truncated [B]. From the rollout engine, or from `rollout_func` (TRL's
+        contract, `rollout.custom`): its extra fields join `columns`."""
+        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
+        self.num_generate_calls += 1
+        if self.rollout_func is not None:
+            eos = self.generation["eos_token_ids"]
+            tokens, is_truncated, extra = rollout_from_func(
+                self.rollout_func, prompts, pad_token_id=pad, eos_token_ids=eos, device=device
             )
             columns.update(extra)
-            is_prompt_truncated = torch.zeros(len(prompts), dtype=torch.bool)
+            return tokens, is_truncated, None, torch.zeros(len(prompts), dtype=torch.bool)
+        prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
+            self.tokenizer, prompts, self.args.max_prompt_length, self.generation["chat_template_kwargs"]
+        )
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
+        with self.model_for_generation() as unwrapped:
+            engine = self.engine_for(unwrapped)
+            completion_ids, completion_mask, is_truncated = engine.generate(unwrapped, prompt_ids, prompt_mask)
+        sampling_logps = getattr(engine, "sampling_logps", None)  # [B, T] the sampler's own (vllm)
+        if sampling_logps is not None and sampling_logps.shape == completion_mask.shape:
+            sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
         else:
-            prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
-                trainer.processing_class, prompts, args.max_prompt_length, trainer.chat_template_kwargs
-            )
-            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-            with self.model_for_generation() as unwrapped:
-                engine = self.engine_for(unwrapped)
-                completion_ids, completion_mask, is_truncated = engine.generate(
-                    unwrapped, prompt_ids, prompt_mask
-                )  # [B, T], [B, T], [B]
-            sample = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "completion_ids": completion_ids,
-                "completion_mask": completion_mask,
-                "is_truncated": is_truncated,
-            }
-            sampling_logps = getattr(engine, "sampling_logps", None)  # [B, T] the sampler's own (vllm)
-            if sampling_logps is not None and sampling_logps.shape == completion_mask.shape:
-                sample["sampling_logps"] = sampling_logps.masked_fill(completion_mask == 0, 0.0)
-        self.num_generate_calls += 1
-        return pad_to_multiple(sample, self.pad_multiple(), pad), is_prompt_truncated
+            sampling_logps = None
+        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return tokens, is_truncated, sampling_logps, is_prompt_truncated
 
     def pad_multiple(self) -> int | None:
         """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""
-        value = self.trainer.args.pad_to_multiple_of
+        value = self.args.pad_to_multiple_of
         if value == "auto":
-            return 128 if self.trainer.accelerator.device.type == "neuron" else None
+            return 128 if self.accelerator.device.type == "neuron" else None
         return value
 
     def score(self, prompts, columns, completion_ids, lengths):
@@ -264,26 +320,25 @@ class ExperienceMaker:
         Reward functions see the text (and ids) of each completion up to and including its EOS; with
         conversational prompts the completion is one assistant message.
         """
-        trainer = self.trainer
         completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
-        texts = trainer.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(completion_id_lists, skip_special_tokens=True)
         completions = texts
         if is_conversational(prompts[0]):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
         reward_rows, errors = compute_rewards(
-            trainer.reward_funcs,
+            self.rewards.funcs,
             prompts,
             completions,
             completion_id_lists,
             columns=columns,
-            trainer_state=trainer.state,
-            timeout=trainer.args.reward_timeout,
-            error_policy=trainer.args.reward_error_policy,
+            trainer_state=self.state(),
+            timeout=self.args.reward_timeout,
+            error_policy=self.args.reward_error_policy,
             logs=(logs := RewardLogs(len(completions))),
         )
-        device = trainer.accelerator.device
-        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=device).view(len(prompts), -1)  # [B, R]
-        check_finite_rewards(rewards, trainer.reward_func_names)
+        rewards = torch.tensor(reward_rows, dtype=torch.float32, device=self.accelerator.device)
+        rewards = rewards.view(len(prompts), -1)  # [B, R]
+        check_finite_rewards(rewards, self.rewards.names)
         no_reward = torch.isnan(rewards).all(dim=1)  # [B]
         if bool(no_reward.any()):  # TRL's warning, about the first such completion
             row = int(no_reward.nonzero()[0])
@@ -298,20 +353,23 @@ class ExperienceMaker:
     def engine_for(self, model: nn.Module) -> RolloutEngine:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
         if self.engine is None:
-            trainer = self.trainer
-            sharded = trainer.is_fsdp_enabled or is_zero3(trainer.accelerator)
             self.engine, why = make_engine(
-                trainer.args.rollout_engine,
+                self.args.rollout_engine,
                 model,
-                trainer.generation_config,
-                trainer.eos_token_ids,
-                sharded=sharded,
-                autocast=trainer.accelerator.autocast,  # for engines that call a model autocast does not wrap
-                args=trainer.args,  # for the engines that take settings from it (vllm)
-                accelerator=trainer.accelerator,
+                self.generation["generation_config"],
+                self.generation["eos_token_ids"],
+                sharded=self.generation["sharded"],
+                autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
+                args=self.args,  # for the engines that take settings from it (vllm)
+                accelerator=self.accelerator,
             )
             logger.info(why)
         return self.engine
+
+    def weights_updated(self, model: nn.Module) -> None:
+        """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
+        if self.engine is not None:
+            self.engine.on_weights_updated(model)
 
     @contextlib.contextmanager
     def model_for_generation(self):
@@ -320,51 +378,50 @@ class ExperienceMaker:
 
         Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
         """
-        trainer = self.trainer
-        if is_zero3(trainer.accelerator):
+        wrapped = self.models.wrapped()
+        if is_zero3(self.accelerator):
             from trl.models.utils import unwrap_model_for_generation
 
-            with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+            with unwrap_model_for_generation(wrapped, self.accelerator) as unwrapped:
                 yield unwrapped
-        elif is_fsdp2(trainer.accelerator):
-            with fsdp2_gathered(trainer.model_wrapped):
-                yield trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        elif is_fsdp2(self.accelerator):
+            with fsdp2_gathered(wrapped):
+                yield self.accelerator.unwrap_model(wrapped)
         else:
-            yield trainer.accelerator.unwrap_model(trainer.model_wrapped)
+            yield self.accelerator.unwrap_model(wrapped)
 
     # ---- dynamic sampling ----------------------------------------------------------------------------------------
-    def keep_groups_with_signal(self, first: dict[str, Any], G: int) -> tuple[dict[str, Any], torch.Tensor]:
+    def keep_groups_with_signal(self, first: Rollout, G: int) -> tuple[Rollout, Tensor]:
         """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and
         generate for fresh prompts, at most `dynamic_sampling_max_rounds` more rounds, until the batch is full.
 
-        Returns this process's share of the new batch (as `rollout_round`), and `kept` [N] (bool), False on the
-        rows of dropped groups that fill the batch when the rounds ran out.
+        Returns this process's share of the new batch, and `kept` [N] (bool), False on the rows of dropped groups
+        that fill the batch when the rounds ran out.
         """
-        trainer = self.trainer
-        B, pad = len(first["prompts"]), trainer.processing_class.pad_token_id
-        pool = GroupPool(num_groups=first["total"].numel() // G, num_generations=G)
+        B, pad, accelerator = len(first), self.tokenizer.pad_token_id, self.accelerator
+        pool = GroupPool(num_groups=first.combined_rewards.numel() // G, num_generations=G)
         rollout, rounds, fresh = first, 0, None
         while True:
-            local = {key: value for key, value in rollout.items() if key not in ("total", "all_rewards")}  # global
-            pool.add({**gather_rows(local, trainer.accelerator, pad), "total": rollout["total"]})
-            if pool.full or rounds == trainer.args.dynamic_sampling_max_rounds:
+            pool.add({**gather_rows(_local_rows(rollout), accelerator, pad), "total": rollout.combined_rewards})
+            if pool.full or rounds == self.args.dynamic_sampling_max_rounds:
                 break
             if fresh is None:
                 if self._refill_dataset is None:  # the rows as the dataloader serves them
-                    self._refill_dataset = trainer._remove_unused_columns(
-                        trainer.train_dataset, description="training"
-                    )
-                fresh = FreshPrompts(self._refill_dataset, trainer.args.seed, trainer.state.global_step)
+                    self._refill_dataset = self.train_rows()
+                fresh = FreshPrompts(self._refill_dataset, self.args.seed, self.state().global_step)
             rounds += 1
-            rollout = self.rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), "train", G)
+            rollout = self.rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), G, self.metrics["train"])
         rows, kept = pool.batch(pad)
         self._record_dynamic_sampling(pool, rounds)
-        start = trainer.accelerator.process_index * B
+        start = accelerator.process_index * B
         local = take_rows(rows, torch.arange(start, start + B))
-        return {**local, "total": rows["total"], "all_rewards": rows["rewards"]}, kept.to(rows["total"].device)
+        del local["total"]
+        combined = rows["total"]
+        batch = Rollout(**local, all_rewards=rows["rewards"], combined_rewards=combined)
+        return batch, kept.to(combined.device)
 
     def _record_dynamic_sampling(self, pool: GroupPool, rounds: int) -> None:
-        metrics = self.trainer._metrics["train"]
+        metrics = self.metrics["train"]
         metrics["dynamic_sampling/dropped_groups"].append(float(pool.num_dropped))
         metrics["dynamic_sampling/extra_rounds"].append(float(rounds))
         unfilled = pool.num_groups - min(pool.num_kept, pool.num_groups)
@@ -378,7 +435,14 @@ class ExperienceMaker:
 
     def _fresh_inputs(self, fresh: FreshPrompts, seen: set[str], B: int, G: int) -> list[dict[str, Any]]:
         """This process's rows of a generation batch of fresh prompts, G copies of each."""
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         rows = [row for row in fresh.take(B * accelerator.num_processes // G, seen) for _ in range(G)]
         start = accelerator.process_index * B
         return rows[start : start + B]
+
+
+def _local_rows(rollout: Rollout) -> dict[str, Any]:
+    """The per-row fields of `rollout` (tensors [B, ...] and lists of B), as `rollout.dynamic` handles rows."""
+    skipped = {*_GLOBAL, "advantages", "nonfinite"}
+    values = {f.name: getattr(rollout, f.name) for f in fields(rollout) if f.name not in skipped}
+    return {name: value for name, value in values.items() if value is not None}

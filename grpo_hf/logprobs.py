@@ -1,7 +1,8 @@
 """Model -> log-probabilities of completion tokens: the forwards behind the GRPO loss.
 
-Functions of `(model, batch, ...)`, testable without a trainer. A batch holds `prompt_ids`,
-`prompt_mask` [B, P] (left-padded) and `completion_ids`, `completion_mask` [B, T].
+Functions of `(model, batch, ...)`, testable without a trainer. A batch is a `rollout.batching.Sequences` (or a
+`MicroBatch`, which is one): `prompt_ids`, `prompt_mask` [B, P] (left-padded) and `completion_ids`, `completion_mask`
+[B, T].
 
 The tricks, each exact (same maths as one padded forward, float rounding aside):
 
@@ -19,7 +20,7 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,7 +29,9 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 
-Batch = dict[str, Any]
+if TYPE_CHECKING:
+    from grpo_hf.rollout.batching import MicroBatch
+    from grpo_hf.rollout.batching import Sequences as Batch
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -118,7 +121,7 @@ def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch
     return [order[:best_split], order[best_split:]]
 
 
-def shared_prefix_logits(model: nn.Module, batch: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
 
     For each run of identical prompt rows (a group, `prompt_runs`), the prompt's p real tokens (no
@@ -134,8 +137,8 @@ def shared_prefix_logits(model: nn.Module, batch: dict[str, Any]) -> Iterator[tu
     """
     base = model.get_base_model() if is_peft_model(model) else model  # PEFT layers live inside the base model
     decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
-    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
+    completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
     P = prompt_ids.size(1)
     lengths = completion_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs
     for start, stop in prompt_runs(prompt_ids, prompt_mask):
@@ -177,8 +180,8 @@ def padded_logps(
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
-    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
+    completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
@@ -208,7 +211,7 @@ def shared_prefix_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
     bucket get 0. Needs the bare model (`supports_shared_prefix`)."""
-    completion_ids = batch["completion_ids"]
+    completion_ids = batch.completion_ids
     T = completion_ids.size(1)
     rows, logps, entropy = [], [], []
     for bucket, logits in shared_prefix_logits(model, batch):  # logits [n, t, V], t <= T
@@ -259,8 +262,8 @@ def logps_in_chunks(model: nn.Module, batch: Batch, micro_batch_size: int, *, sh
     model.eval()
     try:
         parts = []
-        for start in range(0, batch["prompt_ids"].size(0), micro_batch_size):
-            part = {k: batch[k][start : start + micro_batch_size] for k in _INPUT_KEYS}
+        for start in range(0, len(batch), micro_batch_size):
+            part = batch.rows(start, start + micro_batch_size)
             parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs))
         logps = torch.cat([part[0] for part in parts])  # [B, T]
         return (logps, torch.cat([part[1] for part in parts])) if kwargs.get("with_entropy") else logps
@@ -268,12 +271,9 @@ def logps_in_chunks(model: nn.Module, batch: Batch, micro_batch_size: int, *, sh
         model.train(was_training)
 
 
-_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-
-
 def backward_per_group(
     model: nn.Module,
-    batch: Batch,
+    batch: MicroBatch,
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
     backward_fn: Callable[[torch.Tensor], None],
     *,
@@ -298,15 +298,15 @@ def backward_per_group(
     weights (`core.entropy_bonus` over a fixed token set), not for a token set chosen from every row's entropy
     (`core.high_entropy_mask`): that needs every group's entropy before the first backward, i.e. one backward.
     """
-    runs = prompt_runs(batch["prompt_ids"], batch["prompt_mask"])
+    runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)
     # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
-    placeholder = next((batch[k] for k in ("old_logps", "ref_logps") if batch.get(k) is not None), None)
+    placeholder = next((x for x in (batch.old_logps, batch.ref_logps) if x is not None), None)
     if placeholder is None:
-        placeholder = torch.zeros_like(batch["completion_ids"], dtype=torch.float32)
+        placeholder = torch.zeros_like(batch.completion_ids, dtype=torch.float32)
     values = placeholder.clone()  # [B, T]
     entropy = torch.zeros_like(values)  # [B, T]
     for k, (start, stop) in enumerate(runs):
-        part = {key: batch[key][start:stop] for key in _INPUT_KEYS}
+        part = batch.rows(start, stop)
         logps, part_entropy = shared_prefix_logps(model, part, with_entropy=True, **kwargs)  # [n, T] each
         logps = logps.to(values.dtype)
         inputs = [torch.cat([values[:start], logps, values[stop:]])]  # [B, T]
@@ -318,3 +318,43 @@ def backward_per_group(
         if k < len(runs) - 1:
             backward_fn(loss)
     return loss, metrics, entropy
+
+
+class LogprobPath:
+    """How a run computes log-probs: the shared-prefix fast path where it applies (`shared_prefix_blocker`), else one
+    padded forward, with the settings every forward shares (temperature, logit chunk size), and no-grad passes over
+    whole batches, `micro_batch_size` rows at a time, under the accelerator's autocast."""
+
+    def __init__(self, accelerator, args, *, router_aux_loss_coef: float, sharded: bool):
+        self.accelerator, self.sharded, self.router_aux_loss_coef = accelerator, sharded, router_aux_loss_coef
+        self.share_prompt_prefix, self.micro_batch_size = args.share_prompt_prefix, args.per_device_train_batch_size
+        self.settings = {"temperature": args.temperature, "chunk_size": args.logprob_chunk_size}
+
+    def blocker(self, model: nn.Module) -> str | None:
+        """Why the shared-prefix forward does not apply to `model` (as Trainer holds it), or None."""
+        return shared_prefix_blocker(
+            model,
+            self.accelerator.unwrap_model(model),
+            share_prompt_prefix=self.share_prompt_prefix,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            sharded=self.sharded,
+        )
+
+    def describe(self, model: nn.Module, per_group_backward: bool) -> str:
+        """One log line: the path the training forwards take."""
+        blocker = self.blocker(model)
+        if blocker is not None:
+            return f"log-prob path: one padded forward over prompt + completion rows ({blocker})"
+        return "log-prob path: shared prompt prefix" + (
+            ", one group's backward at a time" if per_group_backward else ""
+        )
+
+    def kwargs(self, model: nn.Module) -> dict:
+        """The keyword arguments of `completion_logps` for `model`."""
+        return {"share_prefix": self.blocker(model) is None, **self.settings}
+
+    def no_grad(self, model: nn.Module, batch: Batch, **kwargs):
+        """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy), autocast on: the
+        fast path calls the decoder and LM head directly, not the autocast-wrapped forward."""
+        with self.accelerator.autocast():
+            return logps_in_chunks(model, batch, self.micro_batch_size, **{**self.kwargs(model), **kwargs})

@@ -25,9 +25,11 @@ class Metrics:
     def __getitem__(self, mode: str) -> defaultdict[str, list[float]]:
         return self.modes[mode]
 
-    def add_logged(self, mode: str, logged: dict[str, list[float]], accelerator) -> None:
+    @staticmethod
+    def add_logged(into: dict[str, list[float]], logged: dict[str, list[float]], accelerator) -> None:
         """The values reward functions passed to `log_metric` in one rollout: one mean per name over every value of
-        every process (TRL), recorded under that name; the row then averages these means over the rollouts."""
+        every process (TRL), recorded under that name in `into` (one mode's values, `metrics["train"]`); the row then
+        averages these means over the rollouts."""
         names = sorted(logged)
         if accelerator.num_processes > 1:  # every process takes part in the reduction of every name
             names = sorted({name for part in gather_object([names]) for name in part})
@@ -38,7 +40,7 @@ class Metrics:
         if accelerator.num_processes > 1:
             stats = accelerator.reduce(stats, "sum")
         for name, (total, count) in zip(names, stats.tolist(), strict=True):
-            self.modes[mode][name].append(total / count)
+            into[name].append(total / count)
 
     def pop_means(self, mode: str, accelerator) -> dict[str, float]:
         """Each recorded name's mean over its values, averaged over processes; the values are then cleared. Every

@@ -2,7 +2,7 @@
 
 A stream has no length and no indices, so `RepeatSampler` cannot order it. Instead:
 
-- `rollout.prompts.RepeatedStream` reproduces the sampler's order on the stream itself (a prompt's G copies in a
+- `rollout.batching.RepeatedStream` reproduces the sampler's order on the stream itself (a prompt's G copies in a
   row, each generation batch repeated for its micro-steps), after a buffered `shuffle` when `shuffle_dataset`. For
   training it reads the stream pass after pass without end, so Trainer sees one epoch and, on resume, skips exactly
   the batches already trained on (re-reading the stream up to them);
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import datasets
 
-from grpo_hf.rollout.prompts import RepeatedStream
+from grpo_hf.rollout.batching import RepeatedStream
 
 logger = logging.getLogger(__name__)
 

@@ -36,22 +36,22 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import set_seed
 
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
-from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
+from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfiniteUpdates, StopTogether, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import LOSS_VARIANTS, EntropyControl, _off_policy_mask, entropy_bonus, grpo_loss, high_entropy_mask
-from grpo_hf.experience import ExperienceMaker
-from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
-from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
+from grpo_hf.core import _off_policy_mask
+from grpo_hf.experience import ExperienceMaker, Models, RewardSet
+from grpo_hf.guards import NonfiniteGuard
+from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.parallel import average_gradients, check_same_dataset, prepare_reference, sum_over_processes
+from grpo_hf.objective import Objective
+from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
-from grpo_hf.rollout import RepeatSampler, RolloutEngine, eos_token_ids_of
-from grpo_hf.vllm_config import vllm_sampling_weight
+from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -160,28 +160,57 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- construction helpers --------------------------------------------------------------------------------
     def _init_state(self, args: GRPOConfig, rollout_func=None) -> None:
-        """The rollout buffer, counters and metrics a run carries from step to step; `rollout_func`, the MoE
-        auxiliary-loss weight and the reference sync (TR-DPO)."""
+        """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
+        the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
+        around the optimizer step."""
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
-        if args.sync_ref_model:
-            self.add_callback(SyncReference(self))
-        # Old log-probs differ from the current policy's only if an optimizer step happens between
-        # generation and the last use of the batch: i.e. unless all steps_per_generation x
-        # num_iterations micro-steps of one rollout fall inside one accumulation window.
-        uses_per_rollout = args.steps_per_generation * args.num_iterations
-        self._needs_old_logps = args.gradient_accumulation_steps % uses_per_rollout != 0
-        self._micro_step = 0
-        self._buffer: list[dict[str, Any]] = []  # the micro-batch slices of the current rollout
         self._metrics = Metrics()
-        self.experience = ExperienceMaker(self)  # rollouts: generate, score, advantages, slices
-        self._skip_update = False  # a non-finite value was met in this optimizer step (on_nonfinite="skip_step")
-        self._skipped_steps = 0
-        self._pre_clip_norms: list[tuple[str, torch.Tensor]] | None = None  # per-tensor gradient norms, pre-clip
+        self.guard = NonfiniteGuard(self.accelerator, args.on_nonfinite, self.reward_func_names, self.reward_weights)
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        self.logps = LogprobPath(
+            self.accelerator, args, router_aux_loss_coef=self.router_aux_loss_coef, sharded=sharded
+        )
+        self.objective = Objective(args, self.accelerator, self.router_aux_loss_coef)
+        self.experience = self._experience_maker(rollout_func)
+        self._micro_step = 0
+        self._buffer: list[MicroBatch] = []  # the micro-batches of the current rollout
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
-        self._entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient, adaptive or not
-        self.add_callback(AfterOptimizerStep(self))
+        if args.sync_ref_model:
+            alpha = args.ref_model_mixup_alpha
+            self.add_callback(SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha))
+        describe = lambda: self.logps.describe(self.model_wrapped, args.backward_per_group)  # noqa: E731
+        for callback in (
+            SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
+            StopTogether(self.stop_request, self.accelerator),
+            RefreshRolloutWeights(self.experience.weights_updated, self.accelerator),
+            AnnounceStart(describe, lambda: self.precision_guard),
+        ):
+            self.add_callback(callback)
+
+    def _experience_maker(self, rollout_func) -> ExperienceMaker:
+        """The rollouts, given what they use: the trainer's own state is read through these functions only."""
+        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+        return ExperienceMaker(
+            self.args,
+            self.accelerator,
+            self.processing_class,
+            rewards=RewardSet(self.reward_funcs, self.reward_func_names, self.reward_weights),
+            models=Models(policy=lambda: self.model, wrapped=lambda: self.model_wrapped, reference=self.ref_model),
+            logps=self.logps,
+            guard=self.guard,
+            metrics=self._metrics,
+            state=lambda: self.state,
+            generation={
+                "generation_config": self.generation_config,
+                "eos_token_ids": self.eos_token_ids,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                "sharded": sharded,
+            },
+            rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
+            train_rows=lambda: self._remove_unused_columns(self.train_dataset, description="training"),
+        )
 
     def _place_models(self, ref_model):
         """Reward models to the device; the reference model prepared like the policy (`parallel.prepare_reference`)
@@ -267,7 +296,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             is_training=True,
         )
 
-    # ---- rollouts (`grpo_hf.experience`) and log-probabilities -----------------------------------------------
+    # ---- rollouts (`grpo_hf.experience`) --------------------------------------------------------------------
     @property
     def rollout(self) -> RolloutEngine | None:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout."""
@@ -278,81 +307,56 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """How many rollout rounds were generated (evaluation and dynamic sampling's extra rounds included)."""
         return self.experience.num_generate_calls
 
-    def _reference_logps(self, batch: dict[str, Any]) -> torch.Tensor | None:
-        """The reference model's log-probs [B, T] (None when beta = 0); under LoRA, the model with adapters off."""
-        if self.args.beta == 0.0:
-            return None
-        if self.ref_model is not None:
-            return self._logps_in_chunks(self.ref_model, batch)
-        with self.accelerator.unwrap_model(self.model).disable_adapter():
-            return self._logps_in_chunks(self.model, batch)
-
-    def _logprob_kwargs(self, model: nn.Module) -> dict[str, Any]:
+    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> MicroBatch:
+        """Trainer's hook before `compute_loss`: the next micro-batch of the buffered rollout. A new rollout is made
+        from `inputs` (this process's share of a generation batch) once the last one has served its
+        steps_per_generation x num_iterations micro-steps; the sampler serves the same rows to each of them."""
         args = self.args
-        return {
-            "share_prefix": self._can_share_prefix(model),
-            "temperature": args.temperature,
-            "chunk_size": args.logprob_chunk_size,
-        }
-
-    def _can_share_prefix(self, model: nn.Module) -> bool:
-        return self._shared_prefix_blocker(model) is None
-
-    def _shared_prefix_blocker(self, model: nn.Module) -> str | None:
-        """Why the shared-prefix forward does not apply to `model` (`logprobs.shared_prefix_blocker`), or None."""
-        return shared_prefix_blocker(
-            model,
-            self.accelerator.unwrap_model(model),
-            share_prompt_prefix=self.args.share_prompt_prefix,
-            router_aux_loss_coef=self.router_aux_loss_coef,
-            sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
-        )
-
-    def _logps_in_chunks(self, model: nn.Module, batch: dict[str, Any], **kwargs) -> torch.Tensor:
-        """No-grad log-probs [B, T] of a whole generation batch, one micro-batch at a time (under autocast: the fast
-        path calls the decoder and LM head directly, not the autocast-wrapped forward)."""
-        size, kwargs = self.args.per_device_train_batch_size, {**self._logprob_kwargs(model), **kwargs}
-        with self.accelerator.autocast():
-            return logps_in_chunks(model, batch, size, **kwargs)
-
-    # ---- loss ------------------------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs:
-            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
-        args = self.args
-        period = args.steps_per_generation * args.num_iterations
-        if self._micro_step % period == 0:
-            self._buffer = self.experience.slices(inputs)
+        if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0:
+            self._buffer = self.experience.train_batches(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
+        return batch
 
-        kwargs = self._logprob_kwargs(model)
-        if kwargs["share_prefix"]:  # the bare module: a DDP wrapper's forward is bypassed (see `training_step`)
+    def _can_share_prefix(self, model: nn.Module) -> bool:
+        return self.logps.blocker(model) is None
+
+    # ---- loss ------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
+        """The GRPO loss of one micro-batch (`objective.Objective`), from the policy's log-probs: by the shared-prefix
+        forward where it applies (with `backward_per_group`, backpropagating one group at a time), else one padded
+        forward."""
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
+        batch, objective = inputs, self.objective
+        kwargs = self.logps.kwargs(model)
+        share_prefix = kwargs.pop("share_prefix")
+        if share_prefix:  # the bare module: a DDP wrapper's forward is bypassed (see `training_step`)
             model = self.accelerator.unwrap_model(model)
             self._average_gradients = self.accelerator.num_processes > 1
-        kwargs["entropy_grad"] = self._entropy.applied != 0  # the bonus is differentiated; else entropy is a metric
+        kwargs["entropy_grad"] = objective.entropy.applied != 0  # the bonus is differentiated; else a metric
+        steps, policy_mask = self.current_gradient_accumulation_steps, None
         with self.accelerator.autocast():
             # top_entropy_quantile < 1: a group's token mask depends on every group's entropy, so one backward
-            if args.backward_per_group and kwargs["share_prefix"] and args.top_entropy_quantile == 1.0:
-                del kwargs["share_prefix"]
-                policy_mask, loss_fn = None, lambda logps, entropy: self._loss(logps, batch, entropy)
-                loss, loss_metrics, entropy = backward_per_group(
+            if share_prefix and self.args.backward_per_group and self.args.top_entropy_quantile == 1.0:
+                loss_fn = lambda logps, entropy: objective(logps, batch, entropy, accumulation_steps=steps)  # noqa: E731
+                loss, metrics, entropy = backward_per_group(
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
-                router_aux = self._router_aux(kwargs)  # MoE: the padded forward's load-balancing loss goes here
-                logps, entropy = completion_logps(model, batch, with_entropy=True, **kwargs)  # [B, T]
-                policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])  # [B, T] or None: all
-                loss, loss_metrics = self._loss(logps, batch, entropy, policy_mask, router_aux=router_aux)
-        if batch.get("nonfinite") or self._nonfinite("loss", loss, batch):
-            self._skip_update = True
-        mask = batch["completion_mask"]
-        metrics = self._metrics["train"]
-        for key, value in loss_metrics.items():
-            metrics[key].append(value)
-        mask_f = mask.float()
-        metrics["entropy"].append(((entropy.detach() * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
-        self._track_entropy(entropy, mask if policy_mask is None else mask * policy_mask)
+                router_aux = objective.router_aux(kwargs)  # MoE: the padded forward's load-balancing loss goes here
+                logps, entropy = completion_logps(model, batch, share_prefix=share_prefix, with_entropy=True, **kwargs)
+                policy_mask = objective.policy_mask(entropy, batch.completion_mask)  # [B, T] or None: all
+                loss, metrics = objective(
+                    logps, batch, entropy, policy_mask, accumulation_steps=steps, router_aux=router_aux
+                )
+        step = self.state.global_step + 1
+        if batch.nonfinite or self.guard.loss(loss, batch, self.accelerator.unwrap_model(self.model), step):
+            self.guard.skip_update = True
+        train_metrics = self._metrics["train"]
+        for key, value in metrics.items():
+            train_metrics[key].append(value)
+        objective.record_entropy(entropy, batch.completion_mask, policy_mask, train_metrics)
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -370,110 +374,19 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         params = [(name, p.grad) for name, p in named if p.grad is not None]
         if params:
             norms = torch._foreach_norm([grad for _, grad in params])
-            self._pre_clip_norms = [(name, norm) for (name, _), norm in zip(params, norms, strict=True)]
+            self.guard.pre_clip_norms = [(name, norm) for (name, _), norm in zip(params, norms, strict=True)]
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        if grad_norm is not None and self._nonfinite("gradient norm", torch.as_tensor(grad_norm), model):
-            self._skip_update = True
-        self._pre_clip_norms = None
+        if grad_norm is not None:
+            self.guard.gradient_norm(grad_norm, self.accelerator.unwrap_model(model), self.state.global_step + 1)
         return grad_norm
-
-    def _nonfinite(self, what: str, value: torch.Tensor, *context) -> bool:
-        """True when `value` is NaN/inf on any process; then raise (on_nonfinite="raise") or warn, with the cause
-        (`grpo_hf.guards`) found from `context`: the rollout and group size, the micro-batch, or the model."""
-        bad = not bool(torch.isfinite(value).all())
-        if what == "loss":  # the others: every process decides alike
-            bad = sum_over_processes(self.accelerator, int(bad)) > 0
-        if not bad:
-            return False
-        step = self.state.global_step + 1
-        if what == "advantages":
-            rollout, G = context
-            all_rewards = self.accelerator.gather(rollout["rewards"])
-            cause = explain_advantages(value, all_rewards, self.reward_weights, self.reward_func_names, G)
-        elif what == "loss":
-            cause = explain_loss(value, context[0], self.accelerator.unwrap_model(self.model).named_parameters())
-        else:
-            norms = self._pre_clip_norms or [
-                (name, p.grad) for name, p in self.accelerator.unwrap_model(context[0]).named_parameters()
-            ]
-            cause = explain_gradients(float(value), norms)
-        message = f"Non-finite {what} at optimizer step {step}: {cause}"
-        if self.args.on_nonfinite == "raise":
-            raise FloatingPointError(
-                f"{message} Training stopped before this step updated the weights (on_nonfinite='raise'); "
-                "on_nonfinite='skip_step' skips such steps instead."
-            )
-        logger.warning(f"{message} This optimizer step is skipped (on_nonfinite='skip_step').")
-        return True
-
-    def _loss(
-        self,
-        logps: torch.Tensor,
-        batch: dict[str, Any],
-        entropy=None,
-        policy_mask=None,
-        train: bool = True,
-        router_aux: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """`core.grpo_loss` of the policy log-probs `logps` [B, T] on this micro-batch, with the config's settings: the
-        policy term on the tokens of `policy_mask` [B, T] (None: all), minus the entropy bonus of `entropy` [B, T]
-        when it is on (`core.entropy_bonus`), plus `router_aux_loss_coef` x the mean of the MoE load-balancing losses
-        `router_aux` of its forwards (TRL). Evaluation (`train=False`): on-policy, nothing accumulated."""
-        args, mask = self.args, batch["completion_mask"]
-        sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
-        loss, metrics = grpo_loss(
-            logps,
-            batch.get("old_logps"),
-            batch["ref_logps"],
-            batch["advantages"],
-            mask,
-            num_items_in_batch=batch["num_items_in_batch"] if train else mask.sum(),
-            policy_mask=policy_mask,
-            sampling_weight=sampling_weight,
-            **args.loss_kwargs(),
-        )
-        metrics.update(sampling_metrics)
-        if train and LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens
-            # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer
-            # divides each micro-batch loss by the accumulation steps and data parallelism averages
-            # gradients over processes; undo both so the gradient is exactly that sum / count.
-            loss = loss * self.current_gradient_accumulation_steps * self.accelerator.num_processes
-        if self._entropy.enabled:  # TRL: loss = policy loss - coef x mean entropy, the same for every loss type
-            metrics["policy_loss"] = loss.item()
-            tokens = mask if policy_mask is None else mask * policy_mask  # the policy term's tokens
-            loss = loss - entropy_bonus(entropy, tokens, self._entropy.applied)
-        if router_aux:  # after the dapo rescaling: Trainer's division by the accumulation steps applies to it (TRL)
-            aux_loss = torch.stack(router_aux).mean()
-            metrics["aux_loss"] = aux_loss.item()
-            loss = loss + self.router_aux_loss_coef * aux_loss
-        return loss, metrics
-
-    def _router_aux(self, kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
-        """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob
-        `kwargs` as `router_aux` for the padded forward to fill (`logprobs.padded_logps`); else None."""
-        if self.router_aux_loss_coef == 0.0:
-            return None
-        kwargs["router_aux"] = []
-        return kwargs["router_aux"]
-
-    def _high_entropy_mask(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-        """The policy term's tokens [B, T] for `top_entropy_quantile` (`get_high_entropy_mask`); None at 1.0: all."""
-        if self.args.top_entropy_quantile == 1.0:
-            return None
-        return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's method: bool [B, T], the completion tokens whose entropy is at least the `threshold` quantile of the
         completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile)."""
-        entropy = entropies.detach()
-        pool = entropy[mask.bool()]  # [n] this process's completion tokens
-        if self.accelerator.num_processes > 1:
-            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, dim=0, pad_index=-1.0))
-            pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
-        return high_entropy_mask(entropy, mask, 1.0 - threshold, pool)
+        return self.objective.high_entropy_mask(entropies, mask, 1.0 - threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
@@ -485,20 +398,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     @property
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient now (TRL's attribute; `use_adaptive_entropy` moves it every step)."""
-        return self._entropy.entropy_coef
-
-    def _track_entropy(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
-        """Adaptive entropy control (`core.EntropyControl`): this micro-batch's entropy over its policy-term tokens
-        `mask` joins the window; at an optimizer step, the window's entropy over every process updates the coefficient.
-        `entropy_coef` is logged once per optimizer step while the bonus is on (TRL)."""
-        control, accelerator = self._entropy, self.accelerator
-        if control.use_adaptive_entropy:
-            control.accumulate(entropy, mask)
-            if accelerator.sync_gradients:
-                window = control.window
-                control.step(accelerator.reduce(window, "sum") if accelerator.num_processes > 1 else window)
-        if control.enabled and accelerator.sync_gradients:
-            self._metrics["train"]["entropy_coef"].append(control.entropy_coef)
+        return self.objective.entropy.entropy_coef
 
     def _backward_early(self, loss: torch.Tensor) -> None:
         """Backpropagate one group's share of the loss (`logprobs.backward_per_group`) as Trainer would."""
@@ -512,16 +412,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """Sample `num_generations_eval` completions per eval prompt, record their rewards, and return their GRPO loss
         under the current policy (on-policy, ratio 1; the KL to the reference when beta != 0; the high-entropy mask
         and the entropy bonus as in training, the adaptive coefficient left unchanged): `eval_loss`."""
-        batch = self.experience.make(inputs, "eval")
-        if "advantages" not in batch:  # the batch cut a group: no advantages, no loss
+        batch = self.experience.eval_batch(inputs)
+        if batch is None:  # the batch cut a group: no advantages, no loss
             return None, None, None
-        batch["ref_logps"] = self._reference_logps(batch)
-        with_entropy, kwargs = self._entropy.enabled or self.args.top_entropy_quantile < 1.0, {}
-        router_aux = self._router_aux(kwargs)
-        logps = self._logps_in_chunks(self.model, batch, with_entropy=with_entropy, **kwargs)  # [B, T] (+ entropy)
-        logps, entropy = logps if with_entropy else (logps, None)
-        policy_mask = self._high_entropy_mask(entropy, batch["completion_mask"])
-        loss, _ = self._loss(logps, batch, entropy, policy_mask, train=False, router_aux=router_aux)
+        objective, kwargs = self.objective, {}
+        router_aux = objective.router_aux(kwargs)
+        logps = self.logps.no_grad(self.model, batch, with_entropy=objective.needs_entropy, **kwargs)  # [B, T]
+        logps, entropy = logps if objective.needs_entropy else (logps, None)
+        policy_mask = objective.policy_mask(entropy, batch.completion_mask)
+        loss, _ = objective(logps, batch, entropy, policy_mask, router_aux=router_aux)
         return loss.detach(), None, None
 
     # ---- logging ---------------------------------------------------------------------------------------------
@@ -558,9 +457,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     def _run_state(self) -> dict[str, Any]:
         state = {
             "micro_step": self._micro_step,
-            "buffer": self._buffer,
+            "buffer": [vars(batch) for batch in self._buffer],  # plain dicts of tensors: torch.load(weights_only)
             "num_tokens": self.experience.num_tokens,
-            "entropy_control": self._entropy.state(),
+            "entropy_control": self.objective.entropy.state(),
             "metrics": self._metrics.state(),
         }
         if self.args.sync_ref_model and self.accelerator.is_main_process:  # the same on every process: saved once
@@ -586,7 +485,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     def _load_run_state(self, path: str, state: dict[str, Any] | None) -> None:
         self._load_reference(path, state)
         if state is not None:
-            self._micro_step, self._buffer = state["micro_step"], state["buffer"]
+            self._micro_step, self._buffer = state["micro_step"], [MicroBatch(**part) for part in state["buffer"]]
             self.experience.num_tokens = state["num_tokens"]
             self._metrics.load_state(state["metrics"])
-            self._entropy.load_state(state.get("entropy_control"))  # adaptive entropy_coef; None in older checkpoints
+            self.objective.entropy.load_state(
+                state.get("entropy_control")
+            )  # adaptive entropy_coef; None in older checkpoints

@@ -89,12 +89,12 @@ def test_fresh_prompts_are_deterministic_skip_prompts_seen_and_repeat_only_after
 
 
 def _buffer_rows(trainer) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    prompt_ids = torch.cat([part["prompt_ids"] for part in trainer._buffer])
-    prompt_mask = torch.cat([part["prompt_mask"] for part in trainer._buffer])
+    prompt_ids = torch.cat([part.prompt_ids for part in trainer._buffer])
+    prompt_mask = torch.cat([part.prompt_mask for part in trainer._buffer])
     decode = trainer.processing_class.decode
     prompts = [decode(ids[mask.bool()]) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-    advantages = torch.cat([part["advantages"] for part in trainer._buffer])
-    tokens = torch.cat([part["completion_mask"].sum(dim=1) for part in trainer._buffer])
+    advantages = torch.cat([part.advantages for part in trainer._buffer])
+    tokens = torch.cat([part.completion_mask.sum(dim=1) for part in trainer._buffer])
     return prompts, advantages, tokens
 
 

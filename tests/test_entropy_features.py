@@ -313,7 +313,7 @@ def test_settings_are_validated(tmp_path, caplog):
 def test_backward_per_group_with_the_entropy_bonus_gives_the_full_backward(tokenizer):
     model = build_tiny_model(tokenizer, seed=5)
     batch = logprob_batch(tokenizer)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     with torch.no_grad():
         old = completion_logps(model, batch, share_prefix=False)[0] + 0.05 * torch.randn(6, 7)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
@@ -328,7 +328,7 @@ def test_backward_per_group_with_the_entropy_bonus_gives_the_full_backward(token
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    batch["old_logps"] = old
+    batch.old_logps = old
     results = []
     for entropy_grad in (True, False):
         loss, _, entropy = backward_per_group(
@@ -397,14 +397,14 @@ def formula_loss(policy, batch, args, accumulation=1, num_items=None) -> tuple[f
     """(policy loss, loss) of one micro-batch from grpo_loss, high_entropy_mask and entropy_bonus directly."""
     with torch.no_grad():
         logps, entropy = padded_logps(policy, batch, with_entropy=True)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     keep = high_entropy_mask(entropy, mask, args.top_entropy_quantile)
     items = mask.sum() if num_items is None else num_items
     loss, _ = grpo_loss(
         logps,
         None,
-        batch["ref_logps"],
-        batch["advantages"],
+        batch.ref_logps,
+        batch.advantages,
         mask,
         policy_mask=keep,
         num_items_in_batch=items,
@@ -436,15 +436,15 @@ def test_trainer_loss_policy_loss_and_eval_loss_are_the_formula(tmp_path, tokeni
     )
     trainer.train()
     initial = build_tiny_model(tokenizer, seed=3)
-    slices = [formula_loss(initial, part, args, 2, part["num_items_in_batch"]) for part in trainer._buffer]
+    slices = [formula_loss(initial, part, args, 2, part.num_items_in_batch) for part in trainer._buffer]
     log = train_logs(trainer)[0]
     assert log["loss"] == pytest.approx(sum(total for _, total in slices) / 2, rel=1e-5)
     assert log["policy_loss"] == pytest.approx(sum(policy for policy, _ in slices) / 2, rel=1e-5)
     assert log["entropy_coef"] == 0.5 and abs(log["loss"] - log["policy_loss"]) > 1e-3
 
     seen = []
-    make = trainer.experience.make
-    trainer.experience.make = lambda *a: seen.append(make(*a)) or seen[-1]
+    make = trainer.experience.eval_batch
+    trainer.experience.eval_batch = lambda *a: seen.append(make(*a)) or seen[-1]
     metrics = trainer.evaluate()
     (batch,) = seen  # the eval batch: 1 prompt x 4 completions, with its ref_logps
     assert metrics["eval_loss"] == pytest.approx(formula_loss(model, batch, args)[1], rel=1e-5)
@@ -472,7 +472,7 @@ def test_adaptive_coefficient_is_logged_and_comes_back_on_resume(tmp_path):
     resumed = make_trainer(run, **settings)
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, unbroken, after=2)
-    assert resumed._entropy.state() == unbroken._entropy.state()
+    assert resumed.objective.entropy.state() == unbroken.objective.entropy.state()
 
 
 def test_two_processes_take_the_threshold_and_the_adaptive_entropy_over_both(tmp_path):

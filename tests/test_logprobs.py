@@ -13,7 +13,7 @@ from grpo_hf.logprobs import (
     padded_logps,
     supports_shared_prefix,
 )
-from grpo_hf.rollout import tokenize_prompts
+from grpo_hf.rollout import MicroBatch, tokenize_prompts
 
 
 def _batch(tokenizer):
@@ -25,9 +25,7 @@ def _batch(tokenizer):
     completion_mask[1, 4:] = 0  # right padding of different lengths
     completion_mask[4, 2:] = 0
     completion_mask[5, 1:] = 0
-    return dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask
-    )
+    return MicroBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages=torch.zeros(6))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -35,7 +33,7 @@ def test_shared_prompt_prefix_logps_equal_the_padded_forward(tokenizer, arch):
     model = build_tiny_model(tokenizer, arch, seed=2)
     assert supports_shared_prefix(model)
     batch = _batch(tokenizer)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     results = []
     for share in (True, False):
         logps, entropy = completion_logps(model, batch, share_prefix=share, temperature=0.7, with_entropy=True)
@@ -56,11 +54,11 @@ def test_padded_logps_are_log_softmax_of_a_naive_forward(tokenizer):
     batch = _batch(tokenizer)
     logps, _ = padded_logps(model, batch, temperature=0.5)
     for i in range(6):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i] == 1]
-        for t in range(int(batch["completion_mask"][i].sum())):
-            ids = torch.cat([prompt, batch["completion_ids"][i, :t]])[None]
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i] == 1]
+        for t in range(int(batch.completion_mask[i].sum())):
+            ids = torch.cat([prompt, batch.completion_ids[i, :t]])[None]
             logits = model(input_ids=ids).logits[0, -1] / 0.5
-            expected = torch.log_softmax(logits.double(), -1)[batch["completion_ids"][i, t]]
+            expected = torch.log_softmax(logits.double(), -1)[batch.completion_ids[i, t]]
             torch.testing.assert_close(logps[i, t].double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -69,7 +67,7 @@ def test_logps_in_chunks_is_no_grad_eval_mode_and_chunk_invariant(tokenizer):
     batch = _batch(tokenizer)
     whole = logps_in_chunks(model, batch, 6, share_prefix=True)
     parts = logps_in_chunks(model, batch, 2, share_prefix=False)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     assert not whole.requires_grad and model.training  # no graph; the train/eval mode is restored
     torch.testing.assert_close(whole * mask, parts * mask, rtol=1e-5, atol=1e-5)
 
@@ -79,7 +77,7 @@ def test_backward_per_group_gives_the_full_backward(tokenizer, loss_type):
     """Accumulating the gradient one group at a time equals one backward of the whole micro-batch's loss."""
     model = build_tiny_model(tokenizer, seed=5)
     batch = _batch(tokenizer)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     with torch.no_grad():
         old = completion_logps(model, batch, share_prefix=False)[0] + 0.05 * torch.randn(6, 7)  # off-policy ratio
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.2, -0.5])
@@ -92,7 +90,7 @@ def test_backward_per_group_gives_the_full_backward(tokenizer, loss_type):
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    batch["old_logps"] = old
+    batch.old_logps = old
     loss, _, entropy = backward_per_group(model, batch, loss_fn, lambda part: part.backward())
     loss.backward()
     assert entropy.shape == (6, 7)

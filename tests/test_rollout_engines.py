@@ -9,11 +9,12 @@ from transformers import GenerationConfig
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.rollout import (
     ENGINES,
+    MicroBatch,
     RolloutEngine,
     engine_class,
     make_engine,
     register_engine,
-    split_into_slices,
+    split_into_micro_batches,
     tokenize_prompts,
 )
 from grpo_hf.rollout.cuda_graph import CUDAGraphEngine
@@ -207,16 +208,16 @@ def test_cuda_graph_engine_follows_the_weights_the_optimizer_writes_in_place(
     assert torch.equal(ours.completion_ids[:, :width] * mask, reference.completion_ids[:, :width] * mask)
 
 
-def test_split_into_slices_trims_each_slices_own_padding():
-    batch = {
-        "prompt_ids": torch.tensor([[0, 0, 5], [0, 0, 6], [0, 7, 8], [9, 9, 9]]),
-        "prompt_mask": torch.tensor([[0, 0, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]]),
-        "completion_ids": torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0], [7, 0, 0, 0]]),
-        "completion_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]),
-        "old_logps": None,
-        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
-    }
-    first, second = split_into_slices(batch, 2)
-    assert first["prompt_ids"].tolist() == [[5], [6]] and first["completion_ids"].tolist() == [[1, 2], [3, 0]]
-    assert second["prompt_ids"].shape == (2, 3) and second["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert first["old_logps"] is None and second["advantages"].tolist() == [0.5, -0.5]
+def test_split_into_micro_batches_trims_each_ones_own_padding():
+    batch = MicroBatch(
+        prompt_ids=torch.tensor([[0, 0, 5], [0, 0, 6], [0, 7, 8], [9, 9, 9]]),
+        prompt_mask=torch.tensor([[0, 0, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]]),
+        completion_ids=torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0], [7, 0, 0, 0]]),
+        completion_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]),
+        old_logps=None,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    )
+    first, second = split_into_micro_batches(batch, 2)
+    assert first.prompt_ids.tolist() == [[5], [6]] and first.completion_ids.tolist() == [[1, 2], [3, 0]]
+    assert second.prompt_ids.shape == (2, 3) and second.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert first.old_logps is None and second.advantages.tolist() == [0.5, -0.5]

@@ -265,7 +265,7 @@ def test_old_logps_only_when_the_policy_moved(tmp_path, tokenizer, tiny_llama):
     on_policy = GRPOTrainer(
         tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
     )
-    assert on_policy._needs_old_logps is False
+    assert on_policy.experience.needs_old_logps is False
     reused = GRPOTrainer(
         tiny_llama,
         id_sum_reward,
@@ -273,7 +273,7 @@ def test_old_logps_only_when_the_policy_moved(tmp_path, tokenizer, tiny_llama):
         train_dataset=make_dataset(),
         processing_class=tokenizer,
     )
-    assert reused._needs_old_logps is True
+    assert reused.experience.needs_old_logps is True
 
 
 def test_without_shuffle_rollouts_cover_rows_in_order(tmp_path, tokenizer, tiny_llama):
@@ -397,8 +397,8 @@ def test_all_truncated_and_masked_leaves_parameters_unchanged(tmp_path, tokenize
     assert all(torch.equal(p, before[n]) for n, p in tiny_llama.named_parameters())
     # num_tokens counts every generated token, masked or not (TRL): step 2's prompts plus 4 x 8 completion tokens
     (batch,) = trainer._buffer
-    assert batch["completion_mask"].sum() == 0
-    assert logs[1]["num_tokens"] - logs[0]["num_tokens"] == batch["prompt_mask"].sum().item() + 4 * 8
+    assert batch.completion_mask.sum() == 0
+    assert logs[1]["num_tokens"] - logs[0]["num_tokens"] == batch.prompt_mask.sum().item() + 4 * 8
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo", "sapo"])

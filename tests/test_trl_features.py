@@ -28,7 +28,7 @@ from grpo_hf.logprobs import padded_logps
 from grpo_hf.models import FP32LMHead, cast_lm_head_to_fp32
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
-from grpo_hf.rollout import split_into_slices
+from grpo_hf.rollout import Sequences, split_into_micro_batches
 
 NEW_FIELDS = {
     "multi_objective_aggregation": "sum_then_normalize",
@@ -130,13 +130,13 @@ def test_trainer_advantages_follow_the_aggregation(tmp_path, tokenizer, aggregat
     seen = rollouts_of(trainer)
     trainer.train()
     (rollout,) = seen
-    rewards, weights = rollout["all_rewards"], torch.tensor([1.0, 0.5])
+    rewards, weights = rollout.all_rewards, torch.tensor([1.0, 0.5])
     if aggregation == "normalize_then_sum":
         expected = decoupled_advantages(rewards, 4, weights)
     else:
-        expected = group_advantages(rollout["total"], 4, "group")
-    assert not torch.equal(decoupled_advantages(rewards, 4, weights), group_advantages(rollout["total"], 4, "group"))
-    torch.testing.assert_close(torch.cat([part["advantages"] for part in trainer._buffer]), expected)
+        expected = group_advantages(rollout.combined_rewards, 4, "group")
+    assert not torch.equal(decoupled_advantages(rewards, 4, weights), group_advantages(rollout.combined_rewards, 4, "group"))
+    torch.testing.assert_close(torch.cat([part.advantages for part in trainer._buffer]), expected)
 
 
 def test_aggregation_choice_is_checked(tmp_path, caplog):
@@ -239,19 +239,17 @@ def test_pad_to_multiple_of_pads_the_rollout_and_leaves_the_loss(tmp_path, token
     seen = rollouts_of(trainer)
     trainer.train()
     (rollout,), (batch,) = seen, trainer._buffer
-    for tensors in (rollout, batch):  # the generation batch, and the micro-batch the loss sees
-        assert tensors["prompt_ids"].size(1) % 16 == 0 and tensors["completion_ids"].size(1) % 16 == 0
-    assert batch["ref_logps"].shape == batch["completion_ids"].shape
-    trimmed = split_into_slices({k: v for k, v in batch.items() if k != "num_items_in_batch"}, 4)[
-        0
-    ]  # the same rows without the padding columns
-    assert trimmed["prompt_ids"].size(1) % 16 and trimmed["completion_ids"].size(1) % 16
+    # the micro-batch every forward reads, padded once (the rollout round's own tensors are not padded)
+    assert batch.prompt_ids.size(1) % 16 == 0 and batch.completion_ids.size(1) % 16 == 0
+    assert batch.ref_logps.shape == batch.completion_ids.shape
+    trimmed = split_into_micro_batches(batch, 4)[0]  # the same rows without the padding columns
+    assert trimmed.prompt_ids.size(1) % 16 and trimmed.completion_ids.size(1) % 16
     initial = build_tiny_model(tokenizer)
 
     def loss_of(b):
         with torch.no_grad():
             logps, _ = padded_logps(initial, b)
-        return grpo_loss(logps, None, b["ref_logps"], b["advantages"], b["completion_mask"], **args.loss_kwargs())[0]
+        return grpo_loss(logps, None, b.ref_logps, b.advantages, b.completion_mask, **args.loss_kwargs())[0]
 
     assert loss_of(batch).item() == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
     assert train_logs(trainer)[0]["loss"] == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
@@ -272,12 +270,12 @@ def test_cast_lm_head_to_fp32_computes_fp32_logits(tokenizer):
         hidden = model.model(input_ids=ids).last_hidden_state
     assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
     torch.testing.assert_close(logits, hidden.float() @ weight.float().T, rtol=1e-6, atol=1e-6)
-    batch = {
-        "prompt_ids": ids[:, :-3],
-        "prompt_mask": torch.ones_like(ids[:, :-3]),
-        "completion_ids": ids[:, -3:],
-        "completion_mask": torch.ones_like(ids[:, -3:]),
-    }
+    batch = Sequences(
+        prompt_ids=ids[:, :-3],
+        prompt_mask=torch.ones_like(ids[:, :-3]),
+        completion_ids=ids[:, -3:],
+        completion_mask=torch.ones_like(ids[:, -3:]),
+    )
     logps, _ = padded_logps(model, batch)
     expected = torch.log_softmax(logits[:, -4:-1].double(), -1).gather(-1, ids[:, -3:, None]).squeeze(-1)
     torch.testing.assert_close(logps.double(), expected, rtol=1e-5, atol=1e-5)
@@ -384,12 +382,12 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     assert "one padded forward over prompt + completion rows (router_aux_loss_coef=0.5: the MoE" in caplog.text
     (batch,) = trainer._buffer
     initial = build_tiny_moe(tokenizer)
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     with torch.no_grad():
         aux = initial(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).aux_loss
         logps, _ = padded_logps(initial, batch)
-    policy_loss, _ = grpo_loss(logps, None, None, batch["advantages"], batch["completion_mask"], **args.loss_kwargs())
+    policy_loss, _ = grpo_loss(logps, None, None, batch.advantages, batch.completion_mask, **args.loss_kwargs())
     log = train_logs(trainer)[0]
     assert aux > 0 and log["aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
     assert log["loss"] == pytest.approx((policy_loss + coef * aux).item(), rel=1e-5)
@@ -597,11 +595,11 @@ def test_rollout_func_replaces_the_engine(tmp_path, tokenizer):
     for i, ids in enumerate(expected["completion_ids"]):
         n = len(ids)
         assert (
-            batch["completion_ids"][i, :n].tolist() == ids
-            and batch["prompt_ids"][i].tolist() == expected["prompt_ids"][i]
+            batch.completion_ids[i, :n].tolist() == ids
+            and batch.prompt_ids[i].tolist() == expected["prompt_ids"][i]
         )
-        assert batch["completion_mask"][i].sum() == (0 if i == 1 else n)  # row 1 has no EOS: truncated, masked
-    assert batch["advantages"].abs().sum() > 0
+        assert batch.completion_mask[i].sum() == (0 if i == 1 else n)  # row 1 has no EOS: truncated, masked
+    assert batch.advantages.abs().sum() > 0
 
 
 @pytest.mark.parametrize(

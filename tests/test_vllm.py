@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.logprobs import completion_logps
-from grpo_hf.rollout import tokenize_prompts
+from grpo_hf.rollout import Sequences, tokenize_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -86,7 +86,7 @@ def test_the_engine_samples_the_trained_weights(trained, tokenizer):
     ours, reference, mask, prompt_ids, prompt_mask = _greedy(engine, model, tokenizer)
     assert len(engine.push_seconds) == 4  # the last optimizer step's weights, pushed before this rollout
     assert torch.equal(ours[mask], reference[mask])
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ours, "completion_mask": mask}
+    batch = Sequences(prompt_ids, prompt_mask, ours, mask)
     with torch.no_grad():
         logps, _ = completion_logps(model, batch, share_prefix=False)  # [N, T] the trainer's, of vLLM's tokens
     gap = (logps - engine.sampling_logps)[mask].abs().max().item()

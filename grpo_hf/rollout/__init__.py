@@ -1,7 +1,8 @@
 """Rollouts: prompts -> groups of sampled completions, with masks and truncation flags.
 
-- `prompts`: `RepeatSampler` (a prompt's G copies together), prompt tokenisation, completion masks,
-  prompt runs (the groups inside a batch).
+- `batching`: `RepeatSampler` (a prompt's G copies together), the typed batches of a step (`Rollout`,
+  `MicroBatch`), splitting into micro-batches and padding.
+- `prompts`: prompt tokenisation, completion masks, prompt runs (the groups inside a batch).
 - `engine`: the `RolloutEngine` interface, the registry of engines by name and the `"auto"` choice.
 - `sampling`: the logits processors `model.generate` applies and an exact categorical draw, shared by
   grpo_hf's own decoders.
@@ -13,20 +14,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
-from grpo_hf.rollout.engine import ENGINES, Completions, RolloutEngine, engine_class, make_engine, register_engine
-from grpo_hf.rollout.prompts import (
+from grpo_hf.rollout.batching import (
+    MicroBatch,
     RepeatedStream,
     RepeatSampler,
+    Rollout,
+    Sequences,
+    split_into_micro_batches,
+)
+from grpo_hf.rollout.engine import ENGINES, Completions, RolloutEngine, engine_class, make_engine, register_engine
+from grpo_hf.rollout.prompts import (
     completion_mask,
     eos_token_ids_of,
     is_conversational,
     prompt_runs,
     prompt_text,
-    split_into_slices,
     tokenize_prompts,
 )
 from grpo_hf.rollout.sampling import (
@@ -40,13 +42,15 @@ from grpo_hf.rollout.sampling import (
 __all__ = [
     "ENGINES",
     "Completions",
+    "MicroBatch",
     "RepeatedStream",
     "RepeatSampler",
+    "Rollout",
     "RolloutEngine",
+    "Sequences",
     "completion_mask",
     "engine_class",
     "eos_token_ids_of",
-    "generate",
     "is_conversational",
     "logits_processors",
     "make_engine",
@@ -56,7 +60,7 @@ __all__ = [
     "resolve_sampling_settings",
     "sample_categorical",
     "sample_groups",
-    "split_into_slices",
+    "split_into_micro_batches",
     "supports_sample_groups",
     "tokenize_prompts",
     "unsupported_reason",
@@ -70,19 +74,3 @@ def __getattr__(name: str):
         return sample_groups
     raise AttributeError(f"module 'grpo_hf.rollout' has no attribute {name!r}")
 
-
-def generate(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    generation_config,
-    eos_token_ids: Sequence[int],
-    *,
-    use_model_generate: bool = False,
-) -> Completions:
-    """One-call sampling: the `loop` engine where it applies (and `use_model_generate` is False), else `generate`.
-
-    Returns `completion_ids [N, T]`, `completion_mask [N, T]` and `is_truncated [N]`.
-    """
-    engine, _ = make_engine("generate" if use_model_generate else "loop", model, generation_config, eos_token_ids)
-    return engine.generate(model, prompt_ids, prompt_mask)

@@ -1,4 +1,4 @@
-"""Rollout rows from outside the engines: a user's `rollout_func` (TRL 1.16's contract), and shape padding.
+"""Rollout rows from outside the engines: a user's `rollout_func` (TRL 1.16's contract).
 
 `rollout_func(prompts, trainer) -> dict` replaces tokenisation and sampling for one rollout round. It gets this
 process's prompt rows as the sampler serves them (each prompt already repeated `num_generations` times, kept
@@ -24,25 +24,24 @@ from typing import Any
 
 import torch
 
-from grpo_hf.rollout.prompts import pad_columns, pad_token_lists
+from grpo_hf.rollout.batching import Sequences, pad_token_lists
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 _UNUSED_KEYS = ("logprob_token_ids",)
 
 
 def rollout_from_func(
-    rollout_func: Callable[[list, Any], dict[str, Any]],
+    rollout_func: Callable[[list], dict[str, Any]],
     prompts: list,
-    trainer: Any,
     *,
     pad_token_id: int,
     eos_token_ids: Sequence[int],
     device: torch.device,
-) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """Call `rollout_func` on this process's prompt rows; return the rollout tensors (`prompt_ids`/`prompt_mask`
-    [B, P] left-padded, `completion_ids`/`completion_mask` [B, T] right-padded, `is_truncated` [B]) and the extra
-    fields as reward-function columns (one value per row)."""
-    output = rollout_func(list(prompts), trainer)
+) -> tuple[Sequences, torch.Tensor, dict[str, list]]:
+    """Call `rollout_func` on this process's prompt rows (the trainer binds itself as TRL's second argument); return
+    the token tensors (prompts left-padded, completions right-padded), `is_truncated` [B], and the extra fields as
+    reward-function columns (one value per row)."""
+    output = rollout_func(list(prompts))
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}.")
     missing = sorted(set(REQUIRED_KEYS) - output.keys())
@@ -64,15 +63,10 @@ def rollout_from_func(
     completion_ids, completion_mask = pad_token_lists(output["completion_ids"], pad_token_id, left=False)
     ends = set(eos_token_ids) | {pad_token_id}
     is_truncated = torch.tensor([len(ids) == 0 or int(ids[-1]) not in ends for ids in output["completion_ids"]])
-    tensors = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "is_truncated": is_truncated,
-    }
-    tensors = {key: value.to(device) for key, value in tensors.items()}
-    return tensors, _extra_columns(output, n)
+    tokens = Sequences(
+        prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device)
+    )
+    return tokens, is_truncated.to(device), _extra_columns(output, n)
 
 
 def _extra_columns(output: dict[str, Any], n: int) -> dict[str, list]:
@@ -91,27 +85,3 @@ def _extra_columns(output: dict[str, Any], n: int) -> dict[str, list]:
         else:
             columns[key] = [values] * n
     return columns
-
-
-def pad_to_multiple(rollout: dict[str, Any], multiple: int | None, pad_token_id: int) -> dict[str, Any]:
-    """`rollout` with `prompt_ids`/`prompt_mask` padded on the left and `completion_ids`/`completion_mask` (and
-    `old_logps`/`ref_logps` when present) on the right to widths that are multiples of `multiple`
-    (`pad_to_multiple_of`; None: unchanged). The new positions are masked out: every log-prob and loss is unchanged."""
-    if multiple is None or multiple <= 1:
-        return rollout
-    padded = dict(rollout)
-    for key in (
-        "prompt_ids",
-        "prompt_mask",
-        "completion_ids",
-        "completion_mask",
-        "old_logps",
-        "ref_logps",
-        "sampling_logps",
-    ):
-        value = rollout.get(key)
-        if value is not None:
-            width = value.size(1) + -value.size(1) % multiple
-            fill = pad_token_id if key.endswith("_ids") else 0
-            padded[key] = pad_columns(value, width, fill, left=key.startswith("prompt"))
-    return padded

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_hf.rollout.prompts import pad_columns
+from grpo_hf.rollout.batching import pad_columns
 
 # Rows of one rollout round: tensors [N, ...] and lists of N Python objects, all in global row order.
 Rows = dict[str, Any]

@@ -1,150 +1,22 @@
-"""Prompts and groups: the sampler that keeps a prompt's G copies together, tokenisation, masks.
+"""Prompts: tokenisation with the chat template, completion masks, EOS ids.
 
-- `RepeatSampler` orders dataset indices so every prompt's G copies are consecutive and every
-  generation batch is served to `repeat_count` training micro-steps; `RepeatedStream`, the same order for a stream.
 - `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
   and encodes each distinct prompt once (a group's G copies share one encoding).
 - `completion_mask` marks completion tokens up to and including the first EOS (docs/design.md ("The maths"), `m`).
 - `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
-- `split_into_slices` cuts a generation batch into the micro-batches that training steps take.
+
+The sampler, the typed batches and the padding live in `rollout.batching`.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, Sampler
 
 from grpo_hf.core import prompt_runs  # noqa: F401  (re-exported: the groups inside a batch)
-
-T = TypeVar("T")
-
-
-def in_groups(batches: Iterable[list[T]], num_generations: int, repeat_count: int) -> Iterator[T]:
-    """The order both `RepeatSampler` and `RepeatedStream` serve: each batch of prompts `repeat_count` times, each
-    prompt `num_generations` times in a row."""
-    for batch in batches:
-        for _ in range(repeat_count):
-            for prompt in batch:
-                yield from itertools.repeat(prompt, num_generations)
-
-
-class RepeatSampler(Sampler[int]):
-    """Dataset indices for GRPO: whole groups, each generation batch repeated.
-
-    With `num_generations=2`, `prompts_per_batch=3`, `repeat_count=2` and a dataset of 7 prompts
-    `[a b c d e f g]` shuffled to `[e c g a b f d]`, it yields::
-
-        e e c c g g  e e c c g g   <- generation batch 1, served to 2 micro-steps
-        a a b b f f  a a b b f f   <- generation batch 2
-                                      (d: too few prompts left for a batch, dropped)
-
-    Prompts are shuffled under `seed`, with a new order on every pass over the data (deterministic:
-    epoch k uses seed + k; `set_epoch`, which Trainer calls, so a run resumed in epoch k uses that
-    epoch's order); the copies inside a group never are. `accelerate` then hands each
-    process its contiguous share of each batch, so a group may straddle processes; the trainer
-    gathers rewards before normalising.
-    """
-
-    def __init__(
-        self,
-        num_prompts: int,
-        num_generations: int,
-        prompts_per_batch: int,
-        repeat_count: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
-    ):
-        if num_prompts < prompts_per_batch:
-            raise ValueError(
-                f"The dataset has {num_prompts} prompts but one generation batch needs {prompts_per_batch} "
-                "(generation_batch_size / num_generations). Use a larger dataset or a smaller batch."
-            )
-        self.num_prompts = num_prompts
-        self.num_generations = num_generations
-        self.prompts_per_batch = prompts_per_batch
-        self.repeat_count = repeat_count
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """The pass over the data the next iteration makes (its prompt order is seed + epoch)."""
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_prompts, generator=generator).tolist()
-        else:
-            order = list(range(self.num_prompts))
-        self.epoch += 1  # without set_epoch, each iteration is the next pass
-        size = self.prompts_per_batch
-        batches = (order[b * size : (b + 1) * size] for b in range(self.num_prompts // size))
-        yield from in_groups(batches, self.num_generations, self.repeat_count)
-
-    def __len__(self) -> int:
-        num_batches = self.num_prompts // self.prompts_per_batch
-        return num_batches * self.prompts_per_batch * self.num_generations * self.repeat_count
-
-
-class RepeatedStream(IterableDataset):
-    """`RepeatSampler`'s order for a stream (`datasets.IterableDataset`, e.g. `load_dataset(..., streaming=True)`),
-    which has no indices to sample: `prompts_per_batch` rows are read, each yielded `num_generations` times in a row,
-    and the whole batch `repeat_count` times. Prompts left over at the end of a pass (fewer than a batch) are
-    dropped, as the sampler drops them.
-
-    `cycle=True` (training) goes on from pass to pass without end, pass k with the stream's epoch `epoch + k`; the
-    trainer stops at `max_steps`. Trainer sees one endless epoch, so on resume it skips exactly the batches already
-    trained on (for a stream it counts them from the start of its epoch 0), whichever pass they were in.
-    `cycle=False` (evaluation) makes one pass.
-
-    Shuffling is the stream's own (`dataset.shuffle(seed, buffer_size)`, a buffered shuffle with a new order each
-    epoch: the trainer applies it when `shuffle_dataset`). Every process reads the whole stream and accelerate
-    (`dispatch_batches=False`) hands each its contiguous share of each batch, as with the sampler. It must be read
-    by a single loader worker: workers would each take part of the stream and interleave their batches, splitting
-    groups.
-    """
-
-    def __init__(
-        self, dataset, num_generations: int, prompts_per_batch: int = 1, repeat_count: int = 1, cycle: bool = False
-    ):
-        self.dataset = dataset
-        self.num_generations = num_generations
-        self.prompts_per_batch = prompts_per_batch
-        self.repeat_count = repeat_count
-        self.cycle = cycle
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """The stream's epoch for the next pass (Trainer calls it through accelerate)."""
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[dict]:
-        for k in itertools.count() if self.cycle else range(1):
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(self.epoch + k)
-            served = False
-            for row in in_groups(self._batches(), self.num_generations, self.repeat_count):
-                served = True
-                yield dict(row)  # a copy per completion row, as a dataset's rows are
-            if self.cycle and not served:  # another pass would not serve one either: never end silently
-                raise ValueError(
-                    f"The stream's pass {k + 1} held fewer prompts than one generation batch takes "
-                    f"({self.prompts_per_batch}), so training cannot go on. Give it more prompts, or lower "
-                    "per_device_train_batch_size / steps_per_generation."
-                )
-
-    def _batches(self) -> Iterator[list[dict]]:
-        batch: list[dict] = []
-        for row in self.dataset:
-            batch.append(row)
-            if len(batch) == self.prompts_per_batch:
-                yield batch
-                batch = []
+from grpo_hf.rollout.batching import pad_token_lists
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -199,28 +71,6 @@ def tokenize_prompts(
     return prompt_ids, prompt_mask, is_prompt_truncated
 
 
-def pad_token_lists(rows: Sequence[Sequence[int]], pad_token_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id lists -> ids and mask [n, max(1, longest)] (long), padded on the left or the right."""
-    width = max([1, *(len(ids) for ids in rows)])
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if len(row):
-            span = slice(width - len(row), width) if left else slice(0, len(row))
-            ids[i, span] = torch.tensor(list(row), dtype=torch.long)
-            mask[i, span] = 1
-    return ids, mask
-
-
-def pad_columns(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
-    """`tensor` [n, w] padded with `value` to [n, width], on the left or the right (as it is if w >= width)."""
-    missing = width - tensor.size(1)
-    if missing <= 0:
-        return tensor
-    padding = tensor.new_full((tensor.size(0), missing), value)
-    return torch.cat([padding, tensor] if left else [tensor, padding], dim=1)
-
-
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of real completion tokens, up to and including the first EOS, and the truncation flags.
 
@@ -252,21 +102,3 @@ def eos_token_ids_of(model, tokenizer) -> list[int]:
             "end. Set tokenizer.eos_token (e.g. '<|im_end|>') or model.generation_config.eos_token_id."
         )
     return sorted(ids)
-
-
-def split_into_slices(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """Cut a generation batch (tensors [B, ...]; other values are copied to every part) into micro-batches of `size`
-    rows, each trimmed of the padding columns it does not need: left of its prompts, right of its completions."""
-    slices = []
-    for start in range(0, batch["prompt_ids"].size(0), size):
-        part = {k: (v[start : start + size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        keep_p = part["prompt_mask"].any(dim=0).nonzero()
-        first = int(keep_p.min()) if keep_p.numel() else 0
-        keep_c = part["completion_mask"].any(dim=0).nonzero()
-        last = int(keep_c.max()) + 1 if keep_c.numel() else 1
-        part["prompt_ids"], part["prompt_mask"] = part["prompt_ids"][:, first:], part["prompt_mask"][:, first:]
-        for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps", "sampling_logps"):
-            if part.get(key) is not None:
-                part[key] = part[key][:, :last]
-        slices.append(part)
-    return slices

@@ -37,7 +37,7 @@ def main(out_path: str, fast: bool) -> None:
     if trainer.accelerator.is_main_process:
         log = next(h for h in trainer.state.log_history if "loss" in h)
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        torch.save({"log": log, "params": params, "control": trainer._entropy.state()}, out_path)
+        torch.save({"log": log, "params": params, "control": trainer.objective.entropy.state()}, out_path)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
 

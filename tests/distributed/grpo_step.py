@@ -88,7 +88,7 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: b
         loss_type=loss_type,
     )
     trainer.train()
-    advantages = torch.cat([part["advantages"] for part in trainer._buffer])
+    advantages = torch.cat([part.advantages for part in trainer._buffer])
     all_advantages = trainer.accelerator.gather(advantages)
     if trainer.accelerator.is_main_process:
         loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)

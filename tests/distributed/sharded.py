@@ -198,7 +198,7 @@ def train_case(name: str, layout: str, out_dir: Path) -> dict:
     trainer.train()
     ref_logps = None
     if trainer.args.beta != 0.0:
-        ref_logps = trainer.accelerator.gather(torch.cat([part["ref_logps"] for part in trainer._buffer]))
+        ref_logps = trainer.accelerator.gather(torch.cat([part.ref_logps for part in trainer._buffer]))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     return {
         **history(trainer),

@@ -1,0 +1,121 @@
+"""The training objective of one micro-batch: `core.grpo_loss` with the run's settings, and what surrounds it.
+
+`Objective(logps, batch, ...)` is the loss `compute_loss` returns (docs/design.md, "The maths"):
+
+- `core.grpo_loss` of the policy log-probs on the micro-batch's tokens (or the high-entropy ones,
+  `top_entropy_quantile`), with vLLM's importance-sampling weight when the rollout has sampler log-probs;
+- for the `dapo` aggregation (dapo, cispo, vespo), rescaled so that the gradient Trainer accumulates over the
+  micro-steps and data parallelism averages over processes is exactly the optimizer step's sum / token count;
+- minus the entropy bonus (`core.entropy_bonus`, its coefficient adaptive or not: `core.EntropyControl`);
+- plus `router_aux_loss_coef` x the MoE load-balancing loss (TRL).
+
+It holds the entropy control and the settings; the trainer gives it the micro-batch and the accumulation count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo_hf.core import LOSS_VARIANTS, EntropyControl, entropy_bonus, grpo_loss, high_entropy_mask
+from grpo_hf.rollout.batching import MicroBatch
+from grpo_hf.vllm_config import vllm_sampling_weight
+
+
+class Objective:
+    """The loss of a micro-batch under one run's settings (`args`, a `GRPOConfig`)."""
+
+    def __init__(self, args, accelerator, router_aux_loss_coef: float):
+        self.args, self.accelerator, self.router_aux_loss_coef = args, accelerator, router_aux_loss_coef
+        self.entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient
+        self.is_dapo = LOSS_VARIANTS[args.loss_type].aggregation == "dapo"  # dapo, cispo, vespo: global tokens
+
+    def __call__(
+        self,
+        logps: Tensor,
+        batch: MicroBatch,
+        entropy: Tensor | None = None,
+        policy_mask: Tensor | None = None,
+        *,
+        accumulation_steps: int | None = None,
+        router_aux: list[Tensor] | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of the policy log-probs `logps` [B, T] on `batch`, the policy term on the tokens of `policy_mask`
+        [B, T] (None: all), with its metrics. `accumulation_steps`: Trainer's for this optimizer step (training);
+        None for evaluation (on-policy, normalised by this batch's own tokens, nothing accumulated). `router_aux`:
+        the MoE load-balancing losses of the forwards."""
+        args, mask, train = self.args, batch.completion_mask, accumulation_steps is not None
+        sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
+        loss, metrics = grpo_loss(
+            logps,
+            batch.old_logps,
+            batch.ref_logps,
+            batch.advantages,
+            mask,
+            num_items_in_batch=batch.num_items_in_batch if train else mask.sum(),
+            policy_mask=policy_mask,
+            sampling_weight=sampling_weight,
+            **args.loss_kwargs(),
+        )
+        metrics.update(sampling_metrics)
+        if train and self.is_dapo:
+            # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer divides each
+            # micro-batch loss by the accumulation steps and data parallelism averages gradients over processes;
+            # undo both so the gradient is exactly that sum / count.
+            loss = loss * accumulation_steps * self.accelerator.num_processes
+        if self.entropy.enabled:  # TRL: loss = policy loss - coef x mean entropy, the same for every loss type
+            metrics["policy_loss"] = loss.item()
+            tokens = mask if policy_mask is None else mask * policy_mask  # the policy term's tokens
+            loss = loss - entropy_bonus(entropy, tokens, self.entropy.applied)
+        if router_aux:  # after the dapo rescaling: Trainer's division by the accumulation steps applies to it (TRL)
+            aux_loss = torch.stack(router_aux).mean()
+            metrics["aux_loss"] = aux_loss.item()
+            loss = loss + self.router_aux_loss_coef * aux_loss
+        return loss, metrics
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss reads the entropy: the entropy bonus, or the high-entropy token mask."""
+        return self.entropy.enabled or self.args.top_entropy_quantile < 1.0
+
+    def router_aux(self, kwargs: dict) -> list[Tensor] | None:
+        """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob
+        `kwargs` as `router_aux` for the padded forward to fill (`logprobs.padded_logps`); else None."""
+        if self.router_aux_loss_coef == 0.0:
+            return None
+        kwargs["router_aux"] = []
+        return kwargs["router_aux"]
+
+    def policy_mask(self, entropy: Tensor | None, mask: Tensor) -> Tensor | None:
+        """The policy term's tokens [B, T] for `top_entropy_quantile`; None at 1.0: all."""
+        if self.args.top_entropy_quantile == 1.0:
+            return None
+        return self.high_entropy_mask(entropy, mask, self.args.top_entropy_quantile)
+
+    def high_entropy_mask(self, entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:
+        """bool [B, T]: the completion tokens whose entropy is in the top `quantile` of the completion tokens of this
+        micro-batch on every process."""
+        entropy = entropies.detach()
+        pool = entropy[mask.bool()]  # [n] this process's completion tokens
+        if self.accelerator.num_processes > 1:
+            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, dim=0, pad_index=-1.0))
+            pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
+        return high_entropy_mask(entropy, mask, quantile, pool)
+
+    def record_entropy(
+        self, entropy: Tensor, mask: Tensor, policy_mask: Tensor | None, metrics: dict[str, list[float]]
+    ) -> None:
+        """Log the mean entropy over the completion tokens `mask` [B, T]. Adaptive entropy control
+        (`core.EntropyControl`): this micro-batch's entropy over the policy term's tokens joins the window; at an
+        optimizer step, the window's entropy over every process updates the coefficient. `entropy_coef` is logged once
+        per optimizer step while the bonus is on (TRL)."""
+        mask_f = mask.float()
+        metrics["entropy"].append(((entropy.detach() * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
+        control, accelerator = self.entropy, self.accelerator
+        if control.use_adaptive_entropy:
+            control.accumulate(entropy, mask if policy_mask is None else mask * policy_mask)
+            if accelerator.sync_gradients:
+                window = control.window
+                control.step(accelerator.reduce(window, "sum") if accelerator.num_processes > 1 else window)
+        if control.enabled and accelerator.sync_gradients:
+            metrics["entropy_coef"].append(control.entropy_coef)
