@@ -48,8 +48,8 @@ from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
 from grpo_hf.parallel import average_gradients, check_same_dataset, prepare_reference, sum_over_processes
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
+from grpo_hf.rewards.models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rollout import RepeatSampler, RolloutEngine, eos_token_ids_of
 from grpo_hf.vllm_config import vllm_sampling_weight
 
