@@ -1,8 +1,13 @@
-"""Data, model loading, evaluation and plotting: offline, tiny models, no network."""
+"""Data, model loading, evaluation and plotting: offline, tiny models, no network.
+
+Model loading is the library's (`grpo_hf.models`); data, evaluation and plotting are the GSM8K recipe's
+(`recipes/gsm8k_support`), imported as the recipe imports them, with `recipes/` on `sys.path`.
+"""
 
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import datasets
@@ -12,7 +17,11 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_hf import models
-from grpo_hf.data import (
+from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+from gsm8k_support.data import (  # noqa: E402
     ARITHMETIC_DATASET,
     FEW_SHOT_EXAMPLES,
     SYSTEM_PROMPTS,
@@ -22,9 +31,8 @@ from grpo_hf.data import (
     make_arithmetic_dataset,
     to_conversational,
 )
-from grpo_hf.evaluation import evaluate_accuracy
-from grpo_hf.plotting import plot_training_curves
-from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
+from gsm8k_support.evaluation import evaluate_accuracy  # noqa: E402
+from gsm8k_support.plotting import plot_training_curves  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Built-in arithmetic problems
