@@ -193,6 +193,17 @@ def test_unreachable_hub_dataset_names_the_offline_options(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_the_peft_helper_finds_the_model_under_a_peft_wrapper(tokenizer, tiny_qwen2):
+    """grpo_hf.peft_utils, the one helper that logprobs, rollout, validation and models ask."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_hf.peft_utils import base_model, is_peft_model
+
+    assert not is_peft_model(tiny_qwen2) and base_model(tiny_qwen2) is tiny_qwen2
+    wrapped = get_peft_model(tiny_qwen2, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert is_peft_model(wrapped) and base_model(wrapped) is tiny_qwen2  # LoRA layers are put inside it
+
+
 def test_load_model_and_tokenizer_from_a_local_dir(tmp_path):
     tokenizer = build_tiny_tokenizer()
     tokenizer.pad_token = None  # a tokenizer without a pad token gets EOS
