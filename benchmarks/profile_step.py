@@ -80,7 +80,7 @@ def main() -> None:
         before = sum(current[name] for name in inner)
         start = time.perf_counter()
         loss = training_step(self, *a, **k)
-        # training_step = the timed phases it calls (through _prepare_inputs) + the policy's forward, loss and backward.
+        # training_step = the timed phases (from _prepare_inputs) + the policy's forward, loss and backward.
         elapsed = time.perf_counter() - start
         current["loss forward + backward"] += elapsed - (sum(current[name] for name in inner) - before)
         return loss

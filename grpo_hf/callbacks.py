@@ -110,4 +110,3 @@ class SyncReference(TrainerCallback):
                     mix_parameters_(targets, sources, self.alpha)
         else:
             mix_parameters_(targets, sources, self.alpha)
-

@@ -28,18 +28,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
+from grpo_hf.peft_utils import base_model, is_peft_model
 
 if TYPE_CHECKING:
     from grpo_hf.rollout.batching import MicroBatch
     from grpo_hf.rollout.batching import Sequences as Batch
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is a dependency, but keep grpo_hf importable without it
-        return False
-    return isinstance(model, PeftModel)
 
 
 # Config attributes of models whose forward transforms the LM head's output (softcapping, scaling):
@@ -135,7 +128,7 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
     forward through the cache and its last hidden state. The prompt runs once per group, so with
     dropout on, the group shares its dropout mask.
     """
-    base = model.get_base_model() if is_peft_model(model) else model  # PEFT layers live inside the base model
+    base = base_model(model)  # PEFT layers live inside the base model
     decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
     completion_ids, completion_mask = batch.completion_ids, batch.completion_mask

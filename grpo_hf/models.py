@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_hf.validation import check_local_path, check_processing_class
+from grpo_hf.paths import check_local_path
+from grpo_hf.peft_utils import base_model, is_peft_model
+from grpo_hf.validation import check_processing_class
 
 logger = logging.getLogger(__name__)
 
@@ -212,14 +214,6 @@ def turn_off_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
 def build_models(
     model: str | PreTrainedModel,
     processing_class=None,
@@ -240,7 +234,7 @@ def build_models(
     model_id = model if isinstance(model, str) else None
     if isinstance(model, str):
         model = load_model(model, **kwargs)
-    elif _is_peft_model(model):
+    elif is_peft_model(model):
         if peft_config is not None:
             raise ValueError("model is already a PeftModel: pass peft_config=None, or pass the base model.")
     elif not isinstance(model, PreTrainedModel):
@@ -263,7 +257,7 @@ def build_models(
         turn_off_dropout(model)
 
     ref_model = None
-    if with_reference and peft_config is None and not _is_peft_model(model):
+    if with_reference and peft_config is None and not is_peft_model(model):
         ref_model = load_model(model_id, **kwargs) if model_id is not None else copy.deepcopy(model)
         ref_model.eval().requires_grad_(False)
         if disable_dropout:
@@ -293,7 +287,7 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     become float32 (the same Parameter objects) and it computes the logits in float32 outside autocast. With tied
     embeddings the shared matrix becomes float32 too, and the embedding's output is cast back to the dtype it had,
     so the decoder layers run as before. Refused when a PEFT adapter wraps the LM head (TRL refuses it too)."""
-    base = model.get_base_model() if _is_peft_model(model) else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     if isinstance(head, FP32LMHead):
         return
@@ -317,7 +311,7 @@ def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
     model whose config has `output_router_logits` (a Mixture-of-Experts model that can return its router logits),
     `coef`, or the config's own `router_aux_loss_coef` (0 if none) when `coef` is None; 0 for other models, for
     which a non-zero `coef` is an error."""
-    config = (model.get_base_model() if _is_peft_model(model) else model).config.get_text_config()
+    config = base_model(model).config.get_text_config()
     is_moe = hasattr(config, "output_router_logits")
     if coef is not None and coef != 0.0 and not is_moe:
         raise ValueError(

@@ -49,8 +49,8 @@ from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_c
 from grpo_hf.objective import Objective
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.reward_models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rewards import reward_func_name
+from grpo_hf.rewards.models import build_reward_funcs, reward_processing_classes_of, reward_weights
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ What is checked when:
      them; and, only where left-truncation to `max_prompt_length` does not already keep prompt + completion within
      the model's positions, the token length of the longest prompts (`_check_prompt_lengths`). Large datasets are
      sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
-  5. `reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
+  5. `rewards.models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
      `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
      argument it requires.
   6. the number of `reward_weights`; `checkpoint.check_writable(output_dir)`; after `Trainer.__init__`, the EOS
@@ -46,6 +46,8 @@ from transformers import GenerationConfig
 
 from grpo_hf import streams
 from grpo_hf.config import as_dict
+from grpo_hf.paths import check_local_path, looks_like_local_path
+from grpo_hf.peft_utils import base_model
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
 from grpo_hf.rollout.prompts import is_conversational, prompt_text
 
@@ -133,34 +135,6 @@ def check_generation_kwargs(kwargs: Mapping[str, Any], args) -> None:
         )
 
 
-def looks_like_local_path(name: str) -> bool:
-    """True for a string that can only be a local path, never a Hub id ("name" or "org/name")."""
-    return (
-        name.startswith(("/", "./", "../", "~", ".\\", "..\\"))
-        or name in (".", "..")
-        or name.count("/") > 1
-        or "\\" in name
-        or name.endswith("/")
-        or os.path.isabs(name)
-    )
-
-
-def check_local_path(name_or_path: str, what: str = "model") -> str:
-    """`name_or_path` with `~` expanded; FileNotFoundError if it looks like a local path that does not exist."""
-    path = os.path.expanduser(name_or_path)
-    if looks_like_local_path(name_or_path) and not os.path.exists(path):
-        raise FileNotFoundError(
-            f"The {what} path {name_or_path!r} does not exist (looked for {os.path.abspath(path)!r}). Check the "
-            "path, or pass a Hub id of the form 'org/name'."
-        )
-    if os.path.isfile(path):
-        raise NotADirectoryError(
-            f"The {what} path {name_or_path!r} is a file; pass the directory that holds its config.json (a "
-            "save_pretrained directory)."
-        )
-    return path
-
-
 def check_processing_class(processing_class: Any) -> None:
     """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
     if isinstance(processing_class, (str, os.PathLike)):
@@ -175,13 +149,9 @@ def check_processing_class(processing_class: Any) -> None:
         )
 
 
-def _base_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def model_max_positions(model) -> int | None:
     """The longest sequence the policy's positions cover (`max_position_embeddings` / `n_positions`), or None."""
-    config = getattr(_base_model(model), "config", None)
+    config = getattr(base_model(model), "config", None)
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -191,7 +161,7 @@ def model_max_positions(model) -> int | None:
 
 def check_policy_model(model, tokenizer, peft_config=None) -> None:
     """The policy is a decoder-only causal LM whose vocabulary covers the tokenizer, and something in it trains."""
-    base = _base_model(model)
+    base = base_model(model)
     config = base.config
     if getattr(config, "is_encoder_decoder", False) or not base.can_generate() or base.get_output_embeddings() is None:
         raise TypeError(

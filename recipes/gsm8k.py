@@ -15,6 +15,10 @@ line overrides the file (`--learning_rate 1e-5`). `--help` lists all of them.
 Outputs in `output_dir`: `eval.json` (greedy pass@1 before/after), `eval_samples.jsonl` (every evaluated
 completion), `training_curves.png`, the model (or LoRA adapter, plus `merged/` with `--merge_adapter`) and
 its tokenizer.
+
+Beyond grpo_hf it needs the `recipes` extra (`pip install -e ".[recipes]"`: pyyaml, matplotlib). What only this
+recipe uses (GSM8K data and prompts, greedy evaluation, the training-curves plot) sits next to it in
+`recipes/gsm8k_support/`, which Python finds because the script's own directory is on `sys.path`.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from transformers import HfArgumentParser, set_seed
 from transformers.utils import is_torch_bf16_gpu_available
 
 from grpo_hf import GRPOConfig, GRPOTrainer, get_reward_funcs
-from grpo_hf.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems, to_conversational
-from grpo_hf.evaluation import evaluate_accuracy, summarize
 from grpo_hf.models import OFFLINE_MODEL_ID, load_model, load_tokenizer
-from grpo_hf.plotting import plot_training_curves
 from grpo_hf.rewards import names_a_reward_model
+
+from gsm8k_support.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems, to_conversational
+from gsm8k_support.evaluation import evaluate_accuracy, summarize
+from gsm8k_support.plotting import plot_training_curves
 
 logger = logging.getLogger("recipes.gsm8k")
 
@@ -291,16 +296,43 @@ def save(trainer: GRPOTrainer, tokenizer, args: ScriptArguments, output_dir: str
     logger.info("Saved %s to %s", "the LoRA adapter" if args.use_peft else "the model", output_dir)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    start = time.time()
-    args, config = parse_args(argv)
-    # This script and grpo_hf log at INFO on the main process (`--log_level` changes it); transformers and
-    # datasets keep their own verbosity unless --log_level is given.
+def configure_logging(config: GRPOConfig) -> None:
+    """This script and grpo_hf log at INFO on the main process (`--log_level` changes it); transformers and
+    datasets keep their own verbosity unless --log_level is given."""
     log_level = config.get_process_log_level()
     own_level = logging.INFO if config.should_log and config.log_level == "passive" else log_level
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=own_level)
     transformers.utils.logging.set_verbosity(log_level)
     datasets.utils.logging.set_verbosity(log_level)
+
+
+def build_trainer(model, tokenizer, train_dataset, args: ScriptArguments, config: GRPOConfig) -> GRPOTrainer:
+    """The `GRPOTrainer`: full fine-tuning, or a LoRA adapter with `--use_peft`."""
+    peft_config = None
+    if args.use_peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules or "all-linear",
+            task_type="CAUSAL_LM",
+        )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=args.reward_funcs,
+        args=config,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    start = time.time()
+    args, config = parse_args(argv)
+    configure_logging(config)
     set_seed(config.seed)
     _ = config.device  # initialises the process group under `accelerate launch` (gloo on CPU with use_cpu)
     state = PartialState()
@@ -326,25 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
             print_table(results)
         return results
 
-    peft_config = None
-    if args.use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=args.reward_funcs,
-        args=config,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    trainer = build_trainer(model, tokenizer, train_dataset, args, config)
     train_start = time.time()
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     extra["train_runtime_s"] = time.time() - train_start

@@ -1,8 +1,13 @@
-"""Data, model loading, evaluation and plotting: offline, tiny models, no network."""
+"""Data, model loading, evaluation and plotting: offline, tiny models, no network.
+
+Model loading is the library's (`grpo_hf.models`); data, evaluation and plotting are the GSM8K recipe's
+(`recipes/gsm8k_support`), imported as the recipe imports them, with `recipes/` on `sys.path`.
+"""
 
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import datasets
@@ -12,7 +17,11 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_hf import models
-from grpo_hf.data import (
+from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+from gsm8k_support.data import (  # noqa: E402
     ARITHMETIC_DATASET,
     FEW_SHOT_EXAMPLES,
     SYSTEM_PROMPTS,
@@ -22,9 +31,8 @@ from grpo_hf.data import (
     make_arithmetic_dataset,
     to_conversational,
 )
-from grpo_hf.evaluation import evaluate_accuracy
-from grpo_hf.plotting import plot_training_curves
-from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
+from gsm8k_support.evaluation import evaluate_accuracy  # noqa: E402
+from gsm8k_support.plotting import plot_training_curves  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Built-in arithmetic problems
@@ -183,6 +191,17 @@ def test_unreachable_hub_dataset_names_the_offline_options(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Models and tokenizers
 # ------------------------------------------------------------------------------------------------
+
+
+def test_the_peft_helper_finds_the_model_under_a_peft_wrapper(tokenizer, tiny_qwen2):
+    """grpo_hf.peft_utils, the one helper that logprobs, rollout, validation and models ask."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_hf.peft_utils import base_model, is_peft_model
+
+    assert not is_peft_model(tiny_qwen2) and base_model(tiny_qwen2) is tiny_qwen2
+    wrapped = get_peft_model(tiny_qwen2, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert is_peft_model(wrapped) and base_model(wrapped) is tiny_qwen2  # LoRA layers are put inside it
 
 
 def test_load_model_and_tokenizer_from_a_local_dir(tmp_path):

@@ -58,12 +58,17 @@ def test_trainer_is_a_table_of_contents():
     ("layer", "allowed"),
     [
         ("grpo_hf.core", set()),
-        ("grpo_hf.rewards", {"grpo_hf.rewards"}),
+        # leaves that any layer may use: `paths` (local path or Hub id, standard library only) and `peft_utils`
+        # (the one "PEFT model / base model under PEFT" helper)
+        ("grpo_hf.paths", set()),
+        ("grpo_hf.peft_utils", set()),
+        # rewards: reward models (rewards/models.py) check their paths with `paths`
+        ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths"}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
         # server engine stops every process together with its `stop_together`
         ("grpo_hf.parallel", set()),
-        ("grpo_hf.rollout", {"grpo_hf.rollout", "grpo_hf.core", "grpo_hf.parallel"}),
-        ("grpo_hf.logprobs", {"grpo_hf.core"}),
+        ("grpo_hf.rollout", {"grpo_hf.rollout", "grpo_hf.core", "grpo_hf.parallel", "grpo_hf.peft_utils"}),
+        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils"}),
     ],
 )
 def test_lower_layers_import_only_what_is_below_them(layer, allowed):

@@ -1,8 +1,10 @@
 """recipes/gsm8k.py: argument parsing (YAML + command line), the errors a new user meets, and short runs."""
 
+import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_recipe():
+    sys.path.insert(0, str(ROOT / "recipes"))  # its support package, as `python recipes/gsm8k.py` finds it
     spec = importlib.util.spec_from_file_location("gsm8k_recipe", ROOT / "recipes" / "gsm8k.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -122,6 +125,24 @@ def test_shipped_configs_parse(monkeypatch):
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
     args, cfg = recipe.parse_args(["--config", str(ROOT / "recipes" / "gsm8k.yaml")])
     assert args.model_name_or_path.startswith("Qwen/") and args.dataset_name == "openai/gsm8k" and cfg.bf16
+
+
+def test_the_library_needs_neither_the_recipe_support_nor_the_recipes_extra():
+    """The recipe's own code (recipes/gsm8k_support) and its extra (matplotlib, pyyaml) stay out of grpo_hf: no module
+    of the package imports them, and the package's hard dependencies leave the extra's packages out."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    hard = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.S | re.M).group(1)
+    assert "matplotlib" not in hard and "pyyaml" not in hard
+    assert re.search(r'^recipes = \[.*"matplotlib.*\]', pyproject, re.M)
+    imported = set()
+    for path in (ROOT / "grpo_hf").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    assert "torch" in imported  # the walk sees imports
+    assert imported & {"matplotlib", "yaml", "gsm8k_support"} == set()
 
 
 # ------------------------------------------------------------------------------------------------

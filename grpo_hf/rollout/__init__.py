@@ -73,4 +73,3 @@ def __getattr__(name: str):
 
         return sample_groups
     raise AttributeError(f"module 'grpo_hf.rollout' has no attribute {name!r}")
-

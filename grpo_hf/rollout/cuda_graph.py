@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from grpo_hf.peft_utils import base_model
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import (
     cache_keyword,
@@ -352,12 +353,6 @@ class _FinishedPoll:
         return bool(self.host[0])
 
 
-def decoder_model(model):
-    """The transformers model to call: a PEFT wrapper's base model, whose LoRA layers run inside it."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
 def _weights_pointers(model) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in model.parameters())
 
@@ -406,7 +401,7 @@ class CUDAGraphEngine(RolloutEngine):
         reason = unsupported_reason(model, generation_config)
         if reason is not None:
             return reason
-        model = decoder_model(model)
+        model = base_model(model)
         if not getattr(model, "_can_compile_fullgraph", False):
             return f"{type(model).__name__} does not support a static, compiled cache"
         attention = getattr(model.config, "_attn_implementation", None)
@@ -417,14 +412,14 @@ class CUDAGraphEngine(RolloutEngine):
     def on_weights_updated(self, model) -> None:
         """In-place updates need nothing (the graph reads the parameters where they are); moved parameters drop the
         buffers and the compiled step, so that nothing keeps the old ones alive."""
-        if self._weights is not None and _weights_pointers(decoder_model(model)) != self._weights:
+        if self._weights is not None and _weights_pointers(base_model(model)) != self._weights:
             logger.info("cuda_graph: the parameters moved; dropping the static buffers and the compiled step")
             self._buckets.clear()
             self._step, self._weights = None, None
 
     @torch.no_grad()
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        model = decoder_model(model)
+        model = base_model(model)
         self.on_weights_updated(model)
         self._weights = _weights_pointers(model)
         settings = SamplingSettings.of(model, self.generation_config)

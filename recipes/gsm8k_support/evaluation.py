@@ -125,6 +125,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _record(prompt, gold, completion: str, length: int, truncated: bool, correct: float, formatted: float) -> dict:
+    """One evaluated sample: the question (the prompt's last message), the completion and how it scored."""
+    return {
+        "question": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+        "completion": completion,
+        "predicted": extract_answer(completion),
+        "gold": extract_gold(gold),
+        "correct": bool(correct),
+        "formatted": bool(formatted),
+        "length": length,
+        "truncated": truncated,
+    }
+
+
 def evaluate_accuracy(
     model,
     tokenizer,
@@ -162,21 +176,12 @@ def evaluate_accuracy(
         disable_progress=disable_progress,
     )
     correct, formatted = score_completions(completions, golds, answer_format)
-    records = []
-    for i, prompt in enumerate(prompts):
-        question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        records.append(
-            {
-                "question": question,
-                "completion": completions[i],
-                "predicted": extract_answer(completions[i]),
-                "gold": extract_gold(golds[i]),
-                "correct": bool(correct[i]),
-                "formatted": bool(formatted[i]),
-                "length": lengths[i],
-                "truncated": truncated[i],
-            }
+    records = [
+        _record(prompt, gold, completion, length, cut, right, formatted_ok)
+        for prompt, gold, completion, length, cut, right, formatted_ok in zip(
+            prompts, golds, completions, lengths, truncated, correct, formatted, strict=True
         )
+    ]
     result = summarize(records)
     logger.info(
         "%s: accuracy %.3f, format %.3f, mean length %.1f tokens on %d problems",

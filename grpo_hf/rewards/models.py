@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_hf.rewards import completion_text, get_reward_funcs, names_a_reward_model
-from grpo_hf.validation import check_local_path
+from grpo_hf.paths import check_local_path
+from grpo_hf.rewards.answers import completion_text
+from grpo_hf.rewards.functions import get_reward_funcs, names_a_reward_model
 
 logger = logging.getLogger(__name__)
 
@@ -195,8 +196,6 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None, trust_remot
         if isinstance(func, str) and not names_a_reward_model(func):
             funcs.extend(get_reward_funcs(func))
         elif isinstance(func, str | PreTrainedModel):
-            from grpo_hf.reward_models import RewardModel
-
             funcs.append(RewardModel(func, tokenizer, model_init_kwargs={"trust_remote_code": trust_remote_code}))
         elif callable(func):
             funcs.append(func)
