@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
-from grpo_hf.core import mix_parameters_
-from grpo_hf.parallel import is_zero3, sum_over_processes
+from grpo_hf.parallel import is_zero3, mix_parameters_, sum_over_processes
 
 if TYPE_CHECKING:
     from grpo_hf.trainer import GRPOTrainer
