@@ -40,7 +40,14 @@ from grpo_hf.callbacks import AfterOptimizerStep, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict
-from grpo_hf.core import LOSS_VARIANTS, EntropyControl, _off_policy_mask, entropy_bonus, grpo_loss, high_entropy_mask
+from grpo_hf.core import (
+    LOSS_VARIANTS,
+    EntropyControl,
+    _off_policy_mask,
+    entropy_bonus,
+    grpo_loss_with,
+    high_entropy_mask,
+)
 from grpo_hf.experience import ExperienceMaker
 from grpo_hf.guards import explain_advantages, explain_gradients, explain_loss
 from grpo_hf.logprobs import backward_per_group, completion_logps, logps_in_chunks, shared_prefix_blocker
@@ -424,16 +431,16 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         `router_aux` of its forwards (TRL). Evaluation (`train=False`): on-policy, nothing accumulated."""
         args, mask = self.args, batch["completion_mask"]
         sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
-        loss, metrics = grpo_loss(
+        loss, metrics = grpo_loss_with(
             logps,
             batch.get("old_logps"),
             batch["ref_logps"],
             batch["advantages"],
             mask,
-            num_items_in_batch=batch["num_items_in_batch"] if train else mask.sum(),
+            args.loss_settings(),
+            num_items=batch["num_items_in_batch"] if train else mask.sum(),
             policy_mask=policy_mask,
             sampling_weight=sampling_weight,
-            **args.loss_kwargs(),
         )
         metrics.update(sampling_metrics)
         if train and LOSS_VARIANTS[args.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens
