@@ -205,7 +205,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "over the local batch. 'dr_grpo': token sum / (N x max_completion_length) (Dr. GRPO). 'dapo': token sum "
             "/ completion tokens in the whole global batch (DAPO). 'cispo': clipped, detached IS weight x A x "
             "log-prob (MiniMax-M1; epsilon_high is the cap). 'sapo': a sigmoid-gated soft clip (SAPO). 'luspo': GSPO "
-            "weighted by length. 'vespo': a smooth sequence-level weight (VESPO). Formulas: grpo_hf/core.py."
+            "weighted by length. 'vespo': a smooth sequence-level weight (VESPO). Formulas: grpo_hf/core/losses.py."
         },
     )
     scale_rewards: ScaleRewards = field(

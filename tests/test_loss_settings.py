@@ -178,3 +178,12 @@ def _imports(path: Path) -> set[str]:
 def test_config_and_validation_import_one_way():
     assert "grpo_hf.config" in _imports(PACKAGE / "validation.py")
     assert not {name for name in _imports(PACKAGE / "config.py") if name.startswith("grpo_hf.validation")}
+
+
+def test_the_config_offers_the_choices_the_settings_accept():
+    from typing import get_args
+
+    from grpo_hf.config import ImportanceSamplingLevel, LossType
+
+    assert set(get_args(LossType)) == set(ALL_LOSS_TYPES)
+    assert set(get_args(ImportanceSamplingLevel)) == set(IMPORTANCE_SAMPLING_LEVELS)
