@@ -21,9 +21,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from grpo_hf.checkpoint import StopRequest
-from grpo_hf.core import mix_parameters_
 from grpo_hf.guards import NonfiniteGuard
-from grpo_hf.parallel import is_zero3, sum_over_processes
+from grpo_hf.parallel import is_zero3, mix_parameters_, sum_over_processes
 
 logger = logging.getLogger(__name__)
 

@@ -7,14 +7,18 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from transformers import GenerationConfig, TrainingArguments
 
-from grpo_hf.core import check_entropy_settings, check_loss_settings
+from grpo_hf.core import LossSettings, check_choice, check_entropy_settings
 from grpo_hf.vllm_config import VLLMArguments
 
 logger = logging.getLogger(__name__)
@@ -201,7 +205,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "over the local batch. 'dr_grpo': token sum / (N x max_completion_length) (Dr. GRPO). 'dapo': token sum "
             "/ completion tokens in the whole global batch (DAPO). 'cispo': clipped, detached IS weight x A x "
             "log-prob (MiniMax-M1; epsilon_high is the cap). 'sapo': a sigmoid-gated soft clip (SAPO). 'luspo': GSPO "
-            "weighted by length. 'vespo': a smooth sequence-level weight (VESPO). Formulas: grpo_hf/core.py."
+            "weighted by length. 'vespo': a smooth sequence-level weight (VESPO). Formulas: grpo_hf/core/losses.py."
         },
     )
     scale_rewards: ScaleRewards = field(
@@ -409,24 +413,35 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     )
 
     def __post_init__(self):
+        """Validate every field once, then derive the generation batch; each step raises with the fix it needs."""
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
-        _check_choice("loss_type", self.loss_type, LossType)
-        _check_choice("scale_rewards", self.scale_rewards, ScaleRewards)
-        _check_choice("importance_sampling_level", self.importance_sampling_level, ImportanceSamplingLevel)
-        _check_choice("reward_error_policy", self.reward_error_policy, RewardErrorPolicy)
-        _check_choice("on_lost_updates", self.on_lost_updates, LostUpdateAction)
-        _check_choice("on_nonfinite", self.on_nonfinite, NonFiniteAction)
+        self._check_choices()
         self._check_trl_options()
+        self._check_precision_options()
+        if self.reward_weights is not None:
+            check_reward_weights(self.reward_weights)  # a list of finite numbers
+        self._check_sampling()
+        self._check_loss()
+        self._check_rollout_options()
+        self._derive_generation_batch()
+
+    def _check_choices(self) -> None:
+        """The fields whose value is one of a few names (their `Literal` types); the loss's own are `LossSettings`'."""
+        check_choice("scale_rewards", self.scale_rewards, get_args(ScaleRewards))
+        check_choice("reward_error_policy", self.reward_error_policy, get_args(RewardErrorPolicy))
+        check_choice("on_lost_updates", self.on_lost_updates, get_args(LostUpdateAction))
+        check_choice("on_nonfinite", self.on_nonfinite, get_args(NonFiniteAction))
+
+    def _check_precision_options(self) -> None:
+        """The lost-update check's period and threshold."""
         if self.lost_update_check_steps < 0:
             raise ValueError(f"lost_update_check_steps={self.lost_update_check_steps} must be >= 0 (0: never).")
         if not 0 <= self.lost_update_threshold <= 1:
             raise ValueError(f"lost_update_threshold={self.lost_update_threshold} must be a fraction in [0, 1].")
 
-        if self.reward_weights is not None:
-            from grpo_hf.validation import check_reward_weights
-
-            check_reward_weights(self.reward_weights)  # a list of finite numbers
+    def _check_sampling(self) -> None:
+        """Group sizes, dynamic sampling's rounds, the sampling settings and the prompt and completion lengths."""
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to compare "
@@ -439,6 +454,18 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds!r} must be an int >= 0: the extra "
                 "generation rounds dynamic sampling may make per generation batch (0: drop, never refill)."
             )
+        self._check_temperature()
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 (or None for no limit).")
+
+    def _check_temperature(self) -> None:
+        """temperature > 0, and a warning when it is so low that the groups and the log-probs degenerate."""
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature={self.temperature} must be > 0: GRPO samples its groups. For greedy decoding in "
@@ -451,33 +478,16 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 f"logits / {self.temperature} are degenerate (about 0 or -inf), which makes the importance ratios "
                 "meaningless. GRPO learns from sampled groups: use a temperature around 0.6-1.0 (1.0 is the default)."
             )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
-        if self.beta < 0:
-            raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL term and the reference model).")
-        if self.epsilon < 0:
-            raise ValueError(f"epsilon={self.epsilon} must be >= 0.")
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            raise ValueError(
-                f"epsilon_high={self.epsilon_high} is smaller than epsilon={self.epsilon}; clip-higher needs "
-                "epsilon_high >= epsilon. Raise epsilon_high or leave it None to use epsilon."
-            )
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
-        if self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 (or None for no limit).")
-        if self.importance_sampling_level == "sequence_sum" and self.loss_type != "grpo":
-            raise ValueError(
-                f"importance_sampling_level='sequence_sum' works on whole sequences, so loss_type={self.loss_type!r} "
-                "(a token aggregation) does not apply. Set loss_type='grpo' or use importance_sampling_level="
-                "'token'/'sequence'."
-            )
-        for message in check_loss_settings(**{name: getattr(self, name) for name in _LOSS_SETTINGS}):
+
+    def _check_loss(self) -> None:
+        """Build the loss settings (they raise for impossible ones) and log their warnings and the entropy terms'."""
+        for message in self.loss_settings().warnings():
             logger.warning(message)
         for message in check_entropy_settings(**{name: getattr(self, name) for name in _ENTROPY_SETTINGS}):
             logger.warning(message)
+
+    def _check_rollout_options(self) -> None:
+        """The reward timeout, the log-prob chunk size, the rollout engine (and its aliases) and vLLM's fields."""
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
@@ -491,7 +501,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             self.rollout_engine = "generate"
         self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
         self.vllm_kwargs = as_dict(self.vllm_kwargs, "vllm_kwargs")  # JSON text (the command line) read here, once
-        from grpo_hf.rollout.engine import ENGINES
+        from grpo_hf.rollout.engine import ENGINES  # the engine registry (rollout imports nothing of the config)
 
         if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:
             raise ValueError(
@@ -504,7 +514,8 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 "False and lower per_device_train_batch_size instead."
             )
 
-        # The generation batch: one rollout serves `steps_per_generation` micro-batches.
+    def _derive_generation_batch(self) -> None:
+        """The generation batch: one rollout serves `steps_per_generation` micro-batches, and holds whole groups."""
         global_batch = self.per_device_train_batch_size * self.world_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError(
@@ -535,7 +546,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
 
     def _check_trl_options(self) -> None:
         """Checks of multi_objective_aggregation, sync_ref_model and pad_to_multiple_of (the CLI gives it as text)."""
-        _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, MultiObjectiveAggregation)
+        check_choice(
+            "multi_objective_aggregation", self.multi_objective_aggregation, get_args(MultiObjectiveAggregation)
+        )
         if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
             logger.warning(
                 f"scale_rewards={self.scale_rewards!r} does not apply with multi_objective_aggregation="
@@ -579,9 +592,15 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         }
         return GenerationConfig(**{**settings, **as_dict(self.generation_kwargs, "generation_kwargs")})
 
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `core.grpo_loss` this config sets (TRL's names): numbers, not the config."""
-        return {name: getattr(self, name) for name in _LOSS_KWARGS}
+    def loss_settings(self) -> LossSettings:
+        """The loss's settings (`core.LossSettings`, the fields of this config of the same names), checked once:
+        built on the first call, then the same object while those fields keep their values (a field changed after
+        construction gives new settings, checked in turn). The trainer passes them to `core.grpo_loss_with`."""
+        values = {name: getattr(self, name) for name in LossSettings.field_names()}
+        cached = self.__dict__.get("_loss_settings")
+        if cached is None or dataclasses.asdict(cached) != values:
+            cached = self.__dict__["_loss_settings"] = LossSettings(**values)
+        return cached
 
     def entropy_kwargs(self) -> dict[str, Any]:
         """The fields of `core.EntropyControl` (the entropy bonus's coefficient) this config sets, same names."""
@@ -595,8 +614,6 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
 
     def defaults_differing_from_trl(self) -> list[str]:
         """`name=value (TRL: value)` for every field still at grpo_hf's default where TRL's default differs."""
-        import dataclasses
-
         ours = {f.name: f.default for f in dataclasses.fields(self)}
         return [
             f"{name}={getattr(self, name)!r} (TRL: {trl!r})"
@@ -626,22 +643,6 @@ TRL_DEFAULTS: dict[str, Any] = {
     "bf16": True,  # TRL: True unless fp16 is set
 }
 
-# GRPOConfig fields that `core.check_loss_settings` checks (it takes the same names).
-_LOSS_SETTINGS = (
-    "loss_type",
-    "importance_sampling_level",
-    "epsilon",
-    "epsilon_high",
-    "max_completion_length",
-    "delta",
-    "off_policy_mask_threshold",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_lambda_pos",
-    "vespo_lambda_neg",
-)
-
-
 # GRPOConfig fields that make `core.EntropyControl` (the entropy bonus's coefficient), with the same names.
 _ENTROPY_CONTROL = (
     "entropy_coef",
@@ -654,26 +655,6 @@ _ENTROPY_CONTROL = (
 
 # GRPOConfig fields that `core.check_entropy_settings` checks (it takes the same names).
 _ENTROPY_SETTINGS = ("top_entropy_quantile", "importance_sampling_level", *_ENTROPY_CONTROL)
-
-
-# GRPOConfig fields that are keyword arguments of `core.grpo_loss`, with the same names.
-_LOSS_KWARGS = (
-    "loss_type",
-    "epsilon",
-    "epsilon_high",
-    "beta",
-    "importance_sampling_level",
-    "max_completion_length",
-    "delta",
-    "use_bias_correction_kl",
-    "off_policy_mask_threshold",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
 
 
 def as_dict(value, name: str) -> dict:
@@ -690,17 +671,33 @@ def as_dict(value, name: str) -> dict:
     return value
 
 
-def _check_choice(name: str, value: Any, literal: Any) -> None:
-    choices = literal.__args__
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {list(choices)}.")
+def check_reward_weights(weights: Any) -> None:
+    """`reward_weights`: a list of finite real numbers (the count is checked against the functions by the trainer)."""
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
+        raise TypeError(
+            f"reward_weights={weights!r} must be a list with one number per reward function, e.g. [1.0, 0.5]."
+        )
+    for k, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(
+                f"reward_weights[{k}]={weight!r} is {with_article(type(weight).__name__)}; every weight must be a "
+                "number, e.g. reward_weights=[1.0, 0.5]."
+            )
+    if not all(math.isfinite(float(weight)) for weight in weights):
+        raise ValueError(
+            f"reward_weights={list(weights)} has a non-finite entry: every weight must be a finite number "
+            "(0 turns a reward function off)."
+        )
+
+
+def with_article(noun: str) -> str:
+    """'a str', 'an int': a type name with its indefinite article, for messages about a value's type."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def config_reference_markdown(cls: type | None = None) -> str:
     """The README's config reference: one row per field of `cls` itself (default GRPOConfig; its base classes'
     fields are not repeated: TrainingArguments', and VLLMArguments', whose table is in docs/vllm.md)."""
-    import dataclasses
-
     cls = cls or GRPOConfig
     rows = ["| field | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):

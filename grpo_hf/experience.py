@@ -31,10 +31,10 @@ from accelerate.utils import gather_object
 from torch import Tensor, nn
 
 from grpo_hf.completion_log import completion_rows
-from grpo_hf.core import check_finite_rewards, combine_rewards, decoupled_advantages, group_advantages, reward_metrics
+from grpo_hf.core import combine_rewards, decoupled_advantages, group_advantages
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
-from grpo_hf.metrics import Metrics
+from grpo_hf.metrics import Metrics, check_finite_rewards, reward_metrics
 from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3, stop_together, sum_over_processes
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs

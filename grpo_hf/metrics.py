@@ -3,14 +3,21 @@
 Each mode ("train", "eval") keeps, per metric name, the list of values recorded since the last row: one per
 rollout (rewards, lengths), per micro-step (loss terms, entropy) or per optimizer step. A row holds each name's
 mean over those values, then the mean over processes, which log at the same step.
+
+The rewards of a generation batch become metrics here too (`reward_metrics`, TRL's names), after
+`check_finite_rewards` has refused a reward that would turn the advantages into NaN.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 from accelerate.utils import gather_object
+from torch import Tensor
+
+from grpo_hf.core import nan_group_std
 
 MODES = ("train", "eval")
 
@@ -66,3 +73,34 @@ class Metrics:
 
     def load_state(self, values: dict[str, list[float]]) -> None:
         self.modes["train"] = defaultdict(list, values)
+
+
+def reward_metrics(rewards: Tensor, total: Tensor, names: Sequence[str], num_generations: int) -> dict[str, float]:
+    """TRL's reward metrics of a generation batch: rewards [N, R] (NaN = None, one column per function in `names`)
+    and their weighted sum `total` [N]. `reward_std` / `frac_reward_zero_std` need whole groups (N % G == 0)."""
+    valid = ~torch.isnan(total)
+    metrics = {"reward": total[valid].mean().item() if valid.any() else float("nan")}
+    for k, name in enumerate(names):
+        column = rewards[:, k]
+        ok = ~torch.isnan(column)
+        metrics[f"rewards/{name}/mean"] = column[ok].mean().item() if ok.any() else float("nan")
+        metrics[f"rewards/{name}/std"] = column[ok].std().item() if ok.sum() > 1 else 0.0
+    if total.numel() % num_generations == 0:
+        group_std = nan_group_std(total.view(-1, num_generations))  # [N / G]
+        metrics["reward_std"] = group_std.mean().item()
+        metrics["frac_reward_zero_std"] = (group_std == 0).float().mean().item()
+    return metrics
+
+
+def check_finite_rewards(rewards: Tensor, names: Sequence[str]) -> None:
+    """Raise when a reward in `rewards` [N, R] is infinite in its dtype (NaN means None and is allowed), naming the
+    reward function and the row: e.g. 1e300 is finite in Python but inf in float32, and would turn the advantages,
+    then the loss and the weights, into NaN."""
+    bad = torch.isinf(rewards)  # [N, R]
+    if bool(bad.any()):
+        row, column = (int(k) for k in bad.nonzero()[0])
+        raise ValueError(
+            f"Reward function {names[column]!r} returned {rewards[row, column].item()} (after conversion to "
+            f"{rewards.dtype}) for completion {row} of this batch: rewards must be finite and within the range of "
+            f"{rewards.dtype}. Return None for 'no reward', or clip/scale the reward."
+        )

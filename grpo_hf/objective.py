@@ -1,8 +1,8 @@
-"""The training objective of one micro-batch: `core.grpo_loss` with the run's settings, and what surrounds it.
+"""The training objective of one micro-batch: `core.grpo_loss_with` the run's `LossSettings`, and what surrounds it.
 
 `Objective(logps, batch, ...)` is the loss `compute_loss` returns (docs/design.md, "The maths"):
 
-- `core.grpo_loss` of the policy log-probs on the micro-batch's tokens (or the high-entropy ones,
+- `core.grpo_loss_with` of the policy log-probs on the micro-batch's tokens (or the high-entropy ones,
   `top_entropy_quantile`), with vLLM's importance-sampling weight when the rollout has sampler log-probs;
 - for the `dapo` aggregation (dapo, cispo, vespo), rescaled so that the gradient Trainer accumulates over the
   micro-steps and data parallelism averages over processes is exactly the optimizer step's sum / token count;
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_hf.core import LOSS_VARIANTS, EntropyControl, entropy_bonus, grpo_loss, high_entropy_mask
+from grpo_hf.core import LOSS_VARIANTS, EntropyControl, entropy_bonus, grpo_loss_with, high_entropy_mask
 from grpo_hf.rollout.batching import MicroBatch
 from grpo_hf.vllm_config import vllm_sampling_weight
 
@@ -46,16 +46,16 @@ class Objective:
         the MoE load-balancing losses of the forwards."""
         args, mask, train = self.args, batch.completion_mask, accumulation_steps is not None
         sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
-        loss, metrics = grpo_loss(
+        loss, metrics = grpo_loss_with(
             logps,
             batch.old_logps,
             batch.ref_logps,
             batch.advantages,
             mask,
-            num_items_in_batch=batch.num_items_in_batch if train else mask.sum(),
+            args.loss_settings(),
+            num_items=batch.num_items_in_batch if train else mask.sum(),
             policy_mask=policy_mask,
             sampling_weight=sampling_weight,
-            **args.loss_kwargs(),
         )
         metrics.update(sampling_metrics)
         if train and self.is_dapo:

@@ -12,7 +12,8 @@ first step, a dataset that differs between processes.
 
 Under FSDP2 the reference model is sharded like the policy, one decoder layer per shard unit
 (`prepare_reference`), and generation gathers each of the policy's units once per rollout, not once per token
-(`fsdp2_gathered`). docs/distributed.md says what each layout shards and what was tested.
+(`fsdp2_gathered`). docs/distributed.md says what each layout shards and what was tested. TR-DPO's update of the
+reference model mixes the policy's parameters into it (`mix_parameters_`), once they are gathered.
 """
 
 from __future__ import annotations
@@ -199,3 +200,16 @@ def sum_over_processes(accelerator, value: int) -> int:
     if accelerator.num_processes == 1:
         return value
     return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), "sum").item())
+
+
+@torch.no_grad()
+def mix_parameters_(targets: Iterator[torch.Tensor], sources: Iterator[torch.Tensor], alpha: float) -> None:
+    """TR-DPO's reference update (arXiv:2404.09656), in place: target <- alpha * source + (1 - alpha) * target,
+    computed as `target.mul_(1 - alpha).add_(source, alpha=alpha)` (as TRL). Pairs the tensors in order."""
+    for target, source in zip(targets, sources, strict=True):
+        if target.shape != source.shape:
+            raise ValueError(
+                f"cannot mix a {tuple(source.shape)} parameter into a {tuple(target.shape)} one: the reference and "
+                "the policy must have the same architecture and unsharded parameters"
+            )
+        target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)

@@ -34,8 +34,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import math
-import numbers
 import os
 import random
 from collections.abc import Mapping, Sequence
@@ -45,7 +43,8 @@ import datasets
 from transformers import GenerationConfig
 
 from grpo_hf import streams
-from grpo_hf.config import as_dict
+from grpo_hf.config import as_dict, check_reward_weights
+from grpo_hf.config import with_article as _a
 from grpo_hf.paths import check_local_path, looks_like_local_path
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
@@ -77,30 +76,7 @@ _CHUNK = 10_000  # rows read at once from a datasets.Dataset
 _CHAT_EXAMPLE = "[{'role': 'user', 'content': 'What is 2 + 2?'}]"
 
 
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-# ---- settings and models ---------------------------------------------------------------------------------------
-def check_reward_weights(weights: Any) -> None:
-    """`reward_weights`: a list of finite real numbers (the count is checked against the functions by the trainer)."""
-    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
-        raise TypeError(
-            f"reward_weights={weights!r} must be a list with one number per reward function, e.g. [1.0, 0.5]."
-        )
-    for k, weight in enumerate(weights):
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-            raise TypeError(
-                f"reward_weights[{k}]={weight!r} is {_a(type(weight).__name__)}; every weight must be a number, "
-                "e.g. reward_weights=[1.0, 0.5]."
-            )
-    if not all(math.isfinite(float(weight)) for weight in weights):
-        raise ValueError(
-            f"reward_weights={list(weights)} has a non-finite entry: every weight must be a finite number "
-            "(0 turns a reward function off)."
-        )
-
-
+# ---- settings and models (`check_reward_weights` is the config's, checked in `GRPOConfig.__post_init__`) ---------
 def _generation_fields() -> set[str]:
     return {name for name in vars(GenerationConfig()) if not name.startswith("_")}
 

@@ -30,6 +30,7 @@ from grpo_hf.core import (
     entropy_from_logits,
     entropy_with_grad,
     grpo_loss,
+    grpo_loss_with,
     high_entropy_mask,
 )
 from grpo_hf.logprobs import backward_per_group, completion_logps, padded_logps
@@ -400,15 +401,15 @@ def formula_loss(policy, batch, args, accumulation=1, num_items=None) -> tuple[f
     mask = batch.completion_mask
     keep = high_entropy_mask(entropy, mask, args.top_entropy_quantile)
     items = mask.sum() if num_items is None else num_items
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps,
         None,
         batch.ref_logps,
         batch.advantages,
         mask,
+        args.loss_settings(),
         policy_mask=keep,
-        num_items_in_batch=items,
-        **args.loss_kwargs(),
+        num_items=items,
     )
     loss = loss * accumulation  # dapo: the trainer undoes Trainer's division by the accumulation steps
     return loss.item(), (loss - entropy_bonus(entropy, mask * keep, args.entropy_coef)).item()

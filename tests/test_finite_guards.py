@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.core import check_finite_rewards
+from grpo_hf.metrics import check_finite_rewards
 
 _args = tiny_run_args
 

@@ -23,7 +23,7 @@ from transformers import (
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.config import TRL_DEFAULTS
-from grpo_hf.core import decoupled_advantages, group_advantages, grpo_loss
+from grpo_hf.core import decoupled_advantages, group_advantages, grpo_loss_with
 from grpo_hf.logprobs import padded_logps
 from grpo_hf.models import FP32LMHead, cast_lm_head_to_fp32
 from grpo_hf.rewards import compute_rewards
@@ -252,7 +252,7 @@ def test_pad_to_multiple_of_pads_the_rollout_and_leaves_the_loss(tmp_path, token
     def loss_of(b):
         with torch.no_grad():
             logps, _ = padded_logps(initial, b)
-        return grpo_loss(logps, None, b.ref_logps, b.advantages, b.completion_mask, **args.loss_kwargs())[0]
+        return grpo_loss_with(logps, None, b.ref_logps, b.advantages, b.completion_mask, args.loss_settings())[0]
 
     assert loss_of(batch).item() == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
     assert train_logs(trainer)[0]["loss"] == pytest.approx(loss_of(trimmed).item(), rel=1e-5, abs=1e-7)
@@ -390,7 +390,7 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     with torch.no_grad():
         aux = initial(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).aux_loss
         logps, _ = padded_logps(initial, batch)
-    policy_loss, _ = grpo_loss(logps, None, None, batch.advantages, batch.completion_mask, **args.loss_kwargs())
+    policy_loss, _ = grpo_loss_with(logps, None, None, batch.advantages, batch.completion_mask, args.loss_settings())
     log = train_logs(trainer)[0]
     assert aux > 0 and log["aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
     assert log["loss"] == pytest.approx((policy_loss + coef * aux).item(), rel=1e-5)
