@@ -1,33 +1,102 @@
-"""The README stays true: its commands, the config reference and the formula -> code map match the code."""
+"""The README and docs/ stay true: the commands, paths and names they cite exist, their links resolve, the config
+reference is the generated one, and each row of the formula -> code map is found in the function it names."""
 
+import importlib
+import importlib.util
+import inspect
 import re
+import textwrap
 from pathlib import Path
+
+import pytest
 
 import grpo_hf
 from grpo_hf.config import config_reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+DOCUMENTS = [README, *PAGES]
+README_MAX_LINES = 250
+
+FENCED = re.compile(r"^```.*?^```", re.M | re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _code(text: str) -> list[str]:
+    """Every fenced block and every inline code span of a markdown text: where commands, paths and names are cited."""
+    blocks = FENCED.findall(text)
+    return blocks + INLINE.findall(FENCED.sub("", text))
+
+
+def _prose(text: str) -> str:
+    """The text without code, so that brackets inside code are not read as links, nor `#` comments as headings."""
+    return INLINE.sub("", FENCED.sub("", text))
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (word characters, '-' and ' ' kept), spaces -> '-';
+    a repeated heading gets -1, -2, ..."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", FENCED.sub("", text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+def _resolve(dotted: str):
+    """`grpo_hf.core.grpo_loss` or `grpo_hf.core.EntropyControl.step` -> the object: import the longest module prefix,
+    then getattr the rest (AttributeError when a name is gone)."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+# ---- the README ----------------------------------------------------------------------------------------------------
+
+
+def test_the_readme_is_a_front_door():
+    lines = _read(README).splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
 
 
 def test_the_two_setup_commands_are_documented_and_wired():
-    assert "make demo" in README and "make test" in README
-    makefile = (ROOT / "Makefile").read_text()
+    readme = _read(README)
+    assert "make demo" in readme and "make test" in readme
+    makefile = _read(ROOT / "Makefile")
     assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
-    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in _read(ROOT / ".ci" / "run")
 
 
-def test_config_reference_is_generated_from_the_field_help():
-    assert config_reference_markdown() in README, "regenerate it: python -m grpo_hf.config"
-
-
-def test_formula_map_points_at_the_lines_that_compute_each_formula():
-    core = (ROOT / "grpo_hf" / "core.py").read_text().splitlines()
-    rows = re.findall(r"\| `(\w+)` \| `([^`]+)` \| \[core\.py:(\d+)\]\(grpo_hf/core\.py#L(\d+)\) \|", README)
-    assert len(rows) >= 15
-    for function, code, line, anchor in rows:
-        assert line == anchor
-        assert code in core[int(line) - 1], f"README says core.py:{line} computes `{code}` ({function})"
+def test_the_step_diagram_is_the_trainers():
+    """The README's step diagram is the one at the top of grpo_hf/trainer.py, line for line."""
+    doc = inspect.getdoc(importlib.import_module("grpo_hf.trainer"))
+    match = re.search(r"::\n\n(.+?)(?:\n\n|\Z)", doc, re.S)
+    assert match, "grpo_hf/trainer.py's docstring lost its step diagram (a '::' block)"
+    trainer_diagram = textwrap.dedent(match.group(1)).strip()
+    section = _read(README).split("## One training step", 1)[1]
+    readme_diagram = re.search(r"```\n(.+?)\n```", section, re.S).group(1).strip()
+    assert readme_diagram == trainer_diagram, "copy the diagram at the top of grpo_hf/trainer.py into the README"
 
 
 def test_public_names_exist():
@@ -35,17 +104,90 @@ def test_public_names_exist():
         assert getattr(grpo_hf, name) is not None
 
 
-def test_docs_pages_are_linked_and_name_what_exists():
-    """Every docs/ page is linked from the README, and the files and grpo_hf names it cites exist."""
-    import importlib
+# ---- docs/ ---------------------------------------------------------------------------------------------------------
 
-    pages = sorted((ROOT / "docs").glob("*.md"))
-    assert pages
-    for page in pages:
-        assert f"(docs/{page.name})" in README, f"the README does not link docs/{page.name}"
-        text = page.read_text(encoding="utf-8")
-        for path in set(re.findall(r"`((?:grpo_hf|tests|recipes|benchmarks)/[\w./-]+)`", text)):
-            assert (ROOT / path).exists(), f"docs/{page.name} cites {path}, which does not exist"
-        for dotted in set(re.findall(r"`(grpo_hf(?:\.\w+)+)`", text)):
-            module, _, name = dotted.rpartition(".")
-            assert hasattr(importlib.import_module(module), name), f"docs/{page.name} cites {dotted}"
+
+def test_config_reference_is_generated_from_the_field_help():
+    assert config_reference_markdown() in _read(ROOT / "docs" / "config.md"), (
+        "regenerate it: python -m grpo_hf.config, and paste the table into docs/config.md"
+    )
+
+
+def _formula_rows() -> list[tuple[str, str]]:
+    """(dotted function name, quoted code) for each row of the formula -> code table in docs/losses.md."""
+    section = _read(ROOT / "docs" / "losses.md").split("## Formula → code", 1)[1]
+    table = [line for line in section.splitlines() if line.startswith("|")][2:]  # [2:]: header and separator
+    rows = [re.fullmatch(r"\| .+? \| `(grpo_hf\.[\w.]+)` \| `([^`]+)` \|", line) for line in table]
+    assert all(rows), f"rows not in the form '| formula | `grpo_hf.module.function` | `code` |': {table}"
+    return [row.groups() for row in rows]
+
+
+def test_formula_map_names_the_function_that_computes_each_formula():
+    """Each row's dotted name resolves (import + getattr) and the quoted expression is in that function's source."""
+    rows = _formula_rows()
+    assert len(rows) >= 15
+    for dotted, code in rows:
+        obj = _resolve(dotted)
+        obj = obj.fget if isinstance(obj, property) else obj
+        assert code in inspect.getsource(obj), f"docs/losses.md says {dotted} computes `{code}`"
+
+
+def test_every_docs_page_is_linked_and_every_link_resolves():
+    """Relative links (README <-> docs/, docs/ <-> docs/) point at files in the repository, and at headings that
+    exist; every docs/ page is linked from some other page."""
+    linked: set[Path] = set()
+    for document in DOCUMENTS:
+        for target in LINK.findall(_prose(_read(document))):
+            if re.match(r"[a-z]+:", target):  # http(s), mailto
+                continue
+            path_part, _, anchor = target.partition("#")
+            path = (document.parent / path_part).resolve() if path_part else document
+            where = f"{_name(document)} links {target}"
+            assert path.is_relative_to(ROOT), f"{where}, outside the repository"
+            assert path.exists(), f"{where}, which does not exist"
+            if path != document:
+                linked.add(path)
+            if anchor:
+                assert path.suffix == ".md" and anchor in _anchors(_read(path)), f"{where}: no such heading"
+    for page in PAGES:
+        assert page.resolve() in linked, f"no page links {_name(page)}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
+def test_cited_paths_names_and_commands_exist(document):
+    """The repository paths, `grpo_hf.*` names, `python -m` modules and `make` targets a page cites exist."""
+    code = "\n".join(_code(_read(document)))
+    for path in set(re.findall(r"(?<![\w./-])((?:grpo_hf|tests|recipes|benchmarks|docs|\.ci)/[\w./*-]*)", code)):
+        path = path.rstrip(".") if not path.endswith(".*") else path
+        assert list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists(), f"{_name(document)} cites {path}"
+    for module in set(re.findall(r"python -m (grpo_hf[\w.]*)", code)):
+        assert importlib.util.find_spec(module), f"{_name(document)} runs python -m {module}, which does not exist"
+    for dotted in set(re.findall(r"(?<![\w.])(grpo_hf(?:\.\w+)+)", FENCED.sub("", code))):
+        try:
+            _resolve(dotted)
+        except (AttributeError, ModuleNotFoundError) as error:
+            pytest.fail(f"{_name(document)} cites {dotted}: {error!r}")
+    for module, names in re.findall(r"^from (grpo_hf[\w.]*) import ([\w, ]+)$", code, re.M):
+        for name in names.replace(" ", "").split(","):
+            assert hasattr(_resolve(module), name), f"{_name(document)} imports {name} from {module}"
+    targets = set(re.findall(r"^([\w-]+):", _read(ROOT / "Makefile"), re.M))
+    for target in set(re.findall(r"\bmake ([a-z][\w-]*)", code)):
+        assert target in targets, f"{_name(document)} cites make {target}, which the Makefile does not define"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
+def test_python_examples_compile(document):
+    for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", _read(document), re.M | re.S)):
+        compile(block, f"{_name(document)}, python block {number + 1}", "exec")
+
+
+def test_nothing_refers_to_a_file_outside_the_repository():
+    """The design notes ship in docs/; no file points at a document kept outside the repository."""
+    outside = ("../" + "shared", "DESIGN" + ".md")
+    files = [README, ROOT / "Makefile", ROOT / "pyproject.toml", *(ROOT / ".ci").iterdir()]
+    for folder in ("grpo_hf", "tests", "recipes", "benchmarks", "docs"):
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in {".py", ".md", ".yaml", ".yml", ".sh", ".toml"}]
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for needle in outside:
+            assert needle not in text, f"{_name(path)} refers to {needle}, outside the repository"
