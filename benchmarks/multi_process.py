@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
         trainer.add_callback(Timer())
         trainer.train()
         rank = trainer.accelerator.process_index
-        fast = trainer._can_share_prefix(trainer.model_wrapped)
+        fast = trainer.logps.blocker(trainer.model_wrapped) is None
         trainer.accelerator.wait_for_everyone()
         trainer.accelerator.end_training()
     record = {

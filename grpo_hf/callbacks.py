@@ -20,7 +20,7 @@ from collections.abc import Callable
 from torch import nn
 from transformers import TrainerCallback
 
-from grpo_hf.checkpoint import StopRequest
+from grpo_hf.checkpoint import StopRequest, load_run_state
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.parallel import is_zero3, mix_parameters_, sum_over_processes
 
@@ -94,6 +94,26 @@ class SyncReference(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.ref_model_sync_steps == 0:
             self.sync()
+
+    def state(self) -> dict:
+        """For the run state: the reference weights, from process 0 only (the same on every process)."""
+        if not self.accelerator.is_main_process:
+            return {}
+        return {"ref_model": self.accelerator.unwrap_model(self.reference).state_dict()}
+
+    def load_state(self, path: str, state: dict | None) -> None:
+        """The reference weights process 0 saved with its run state in checkpoint `path`, so that a resumed run mixes
+        into the same reference as the unbroken one."""
+        saved = (state or {}).get("ref_model")
+        if saved is None:  # saved by process 0 only
+            saved = (load_run_state(path, 0, self.accelerator.device) or {}).get("ref_model")
+        if saved is None:
+            logger.warning(
+                f"{path} holds no reference weights (sync_ref_model): the reference restarts from the initial model, "
+                "so the resumed run does not repeat the original one exactly."
+            )
+            return
+        self.accelerator.unwrap_model(self.reference).load_state_dict(saved)
 
     def sync(self) -> None:
         """Reference <- alpha x policy + (1 - alpha) x reference, in place. Under DeepSpeed ZeRO-3 the shards are

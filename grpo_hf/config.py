@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -710,3 +711,13 @@ def config_reference_markdown(cls: type | None = None) -> str:
 
 if __name__ == "__main__":  # python -m grpo_hf.config  -> the README's config table
     print(config_reference_markdown())
+
+
+def config_or_default(args: GRPOConfig | None, model) -> GRPOConfig:
+    """`args`, checked to be a GRPOConfig, or TRL's default when None: output_dir `<model name>-GRPO`."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = GRPOConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
+    return args

@@ -67,6 +67,20 @@ class Metrics:
             self.last_train = row
         return row
 
+    def add_means(self, logs: dict[str, float], accelerator) -> str:
+        """Put the means of the values recorded since the last row into Trainer's log row `logs` (`pop_means`), under
+        Trainer's prefix: "eval_", or "eval_<split>_" for a dict of eval datasets. Returns the row's mode."""
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        means = self.pop_means(mode, accelerator)
+        if mode == "train" and "train_runtime" in logs and not means:
+            # Trainer's end-of-training row: with every step already logged (logging_steps=1), it repeats the last
+            # step's metrics, as TRL's does (logging_steps=10 leaves metrics unlogged there), for log_history[-1].
+            means = self.last_train
+        runtime = next((key for key in logs if key.startswith("eval_") and key.endswith("_runtime")), "eval_runtime")
+        prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
+        logs.update({f"{prefix}{key}": value for key, value in means.items()})
+        return mode
+
     def state(self) -> dict[str, list[float]]:
         """The train values not yet logged, for a checkpoint's run state."""
         return {key: list(values) for key, values in self.modes["train"].items()}

@@ -1,37 +1,30 @@
 """`GRPOTrainer`: GRPO on `transformers.Trainer`.
 
-One optimizer step (docs/design.md ("One training step"))::
+One optimizer step (docs/design.md, "One training step")::
 
-    dataloader: one generation batch of prompts, each repeated G times (RepeatSampler)
-      -> rollout engine .generate    completion_ids [N, T], completion_mask [N, T], is_truncated [N]
-      -> rewards.compute_rewards     [N, R] (NaN = no reward), gathered over processes
-      -> core.group_advantages       over whole groups, then this process's rows are kept
-      -> old_logps / ref_logps       once per generation batch, only when they are needed
-      -> compute_loss (per slice)    policy logps -> core.grpo_loss
-      -> Trainer                     backward, clip, optimizer step, log
+    dataloader rows    this process's share of a generation batch, a prompt's G copies together (RepeatSampler)
+    _prepare_inputs    once per generation batch: experience.train_batches(rows) -> [MicroBatch], buffered
+      rollout engine     Rollout: completion_ids, completion_mask [B, T], is_truncated [B]
+      rewards            rewards [B, R], gathered [N, R], combined [N] (NaN = no reward)
+      core               group_advantages over whole groups -> this process's advantages [B]
+      rollout.batching   micro-batches of per_device_train_batch_size rows, trimmed and padded once
+      logprobs           old_logps / ref_logps per micro-batch, without gradient, only when needed
+    compute_loss       the policy's log-probs -> Objective: core.grpo_loss_with, entropy bonus, MoE aux loss
+    Trainer            backward, clip, optimizer step (callbacks: skip a non-finite step, stop, sync), log
 
-The trainer wires pieces together; each lives in its own module:
-
-- `experience`: the rollout half of a step: generate (`rollout` engines), score (`rewards`), advantages
-  (`core`), dynamic sampling (`rollout.dynamic`), old/ref log-probs, micro-batch slices;
-- `logprobs`: model -> completion log-probs (shared prompt prefix, length buckets, per-group backward);
-- `core`: the maths; `precision`: fp32 master weights and the lost-update guard; `guards`: why a value is not
-  finite; `metrics`: what a log row averages; `callbacks`: what happens around the optimizer step;
-  `checkpoint`: whole-or-absent checkpoints and the run state that makes a resume exact.
-
-The loss is the one in docs/design.md ("The maths") exactly; the one place where the trainer touches it is the
-gradient-accumulation / data-parallel rescaling of `dapo` (see `_loss`).
+The trainer wires the pieces, each in its own module, and gives each what it uses when it builds it
+(`_init_state`); none of them reads the trainer back: `experience` (the rollout half of a step), `rollout`
+(engines, batching), `rewards`, `core` (the maths), `logprobs`, `objective`, `guards` (non-finite values),
+`metrics`, `callbacks`, `precision` (fp32 master weights) and `checkpoint` (checkpoints, exact resume).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import set_seed
 
@@ -39,7 +32,7 @@ from grpo_hf import checkpoint, streams, validation  # validation: the input che
 from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfiniteUpdates, StopTogether, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
-from grpo_hf.config import GRPOConfig, as_dict
+from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import _off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
@@ -56,16 +49,6 @@ from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
-
-
-def _config_or_default(args: GRPOConfig | None, model) -> GRPOConfig:
-    """`args`, checked to be a GRPOConfig, or TRL's default when None: output_dir `<model name>-GRPO`."""
-    if args is None:
-        name = model if isinstance(model, str) else model.config._name_or_path
-        args = GRPOConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
-    if not isinstance(args, GRPOConfig):
-        raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
-    return args
 
 
 class GRPOTrainer(AtomicCheckpoints, Trainer):
@@ -113,7 +96,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         optimizers=(None, None),
         rollout_func=None,
     ):
-        args = _config_or_default(args, model)
+        args = config_or_default(args, model)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
@@ -138,10 +121,10 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
         if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
             checkpoint.check_writable(args.output_dir)
-        super().__init__(
+        super().__init__(  # data_collator=list: rows stay dicts, prompts are tokenized per generation batch
             model=model,
             args=args,
-            data_collator=list,  # rows stay dicts: prompts are tokenized per generation batch
+            data_collator=list,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -177,9 +160,11 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self._buffer: list[MicroBatch] = []  # the micro-batches of the current rollout
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
+        self.reference_sync = None  # TR-DPO (`sync_ref_model`)
         if args.sync_ref_model:
             alpha = args.ref_model_mixup_alpha
-            self.add_callback(SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha))
+            self.reference_sync = SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha)
+            self.add_callback(self.reference_sync)
         describe = lambda: self.logps.describe(self.model_wrapped, args.backward_per_group)  # noqa: E731
         for callback in (
             SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
@@ -318,9 +303,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self._micro_step += 1
         return batch
 
-    def _can_share_prefix(self, model: nn.Module) -> bool:
-        return self.logps.blocker(model) is None
-
     # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
         """The GRPO loss of one micro-batch (`objective.Objective`), from the policy's log-probs: by the shared-prefix
@@ -426,16 +408,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     # ---- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log row, with the means of the metrics recorded since the last row (`metrics.Metrics`)."""
-        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        means = self._metrics.pop_means(mode, self.accelerator)
-        if mode == "train" and "train_runtime" in logs and not means:
-            # Trainer's end-of-training row: with every step already logged (logging_steps=1), it repeats the last
-            # step's metrics, as TRL's does (logging_steps=10 leaves metrics unlogged there), for log_history[-1].
-            means = self._metrics.last_train
-        # Evaluation metrics take Trainer's prefix: "eval_", or "eval_<split>_" for a dict of eval datasets.
-        runtime = next((key for key in logs if key.startswith("eval_") and key.endswith("_runtime")), "eval_runtime")
-        prefix = runtime.removesuffix("runtime") if mode == "eval" else ""
-        logs.update({f"{prefix}{key}": value for key, value in means.items()})
+        mode = self._metrics.add_means(logs, self.accelerator)
         tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
             tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
@@ -462,32 +435,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             "entropy_control": self.objective.entropy.state(),
             "metrics": self._metrics.state(),
         }
-        if self.args.sync_ref_model and self.accelerator.is_main_process:  # the same on every process: saved once
-            state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
+        if self.reference_sync is not None:
+            state.update(self.reference_sync.state())
         return state
 
-    def _load_reference(self, path: str, state: dict[str, Any] | None) -> None:
-        """sync_ref_model: the reference weights process 0 saved with its run state (`_run_state`), so that a resumed
-        run mixes into the same reference as the unbroken one."""
-        if not self.args.sync_ref_model:
-            return
-        saved = (state or {}).get("ref_model")
-        if saved is None:  # saved by process 0 only
-            saved = (checkpoint.load_run_state(path, 0, self.accelerator.device) or {}).get("ref_model")
-        if saved is None:
-            logger.warning(
-                f"{path} holds no reference weights (sync_ref_model): the reference restarts from the initial model, "
-                "so the resumed run does not repeat the original one exactly."
-            )
-            return
-        self.accelerator.unwrap_model(self.ref_model).load_state_dict(saved)
-
     def _load_run_state(self, path: str, state: dict[str, Any] | None) -> None:
-        self._load_reference(path, state)
+        if self.reference_sync is not None:
+            self.reference_sync.load_state(path, state)
         if state is not None:
             self._micro_step, self._buffer = state["micro_step"], [MicroBatch(**part) for part in state["buffer"]]
             self.experience.num_tokens = state["num_tokens"]
             self._metrics.load_state(state["metrics"])
-            self.objective.entropy.load_state(
-                state.get("entropy_control")
-            )  # adaptive entropy_coef; None in older checkpoints
+            self.objective.entropy.load_state(state.get("entropy_control"))  # None in older checkpoints

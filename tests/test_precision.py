@@ -165,7 +165,7 @@ def test_fp32_weights_with_bf16_train_the_fast_path_under_autocast(tmp_path, tok
     trainer = GRPOTrainer(
         model, reward, args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer
     )
-    assert trainer._can_share_prefix(model)
+    assert trainer.logps.blocker(model) is None
     trainer.train()
     assert seen == {torch.bfloat16}  # the policy's forward with gradients ran under autocast
     assert all(p.dtype == torch.float32 for p in model.parameters()) and trainer.precision_guard.masters is None

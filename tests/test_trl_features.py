@@ -416,7 +416,7 @@ def test_router_aux_loss_coef_defaults_and_errors(tmp_path, tokenizer):
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    assert off.router_aux_loss_coef == 0.0 and off._can_share_prefix(off.model)
+    assert off.router_aux_loss_coef == 0.0 and (off.logps.blocker(off.model) is None)
     assert moe.aux_loss_enabled and not off.aux_loss_enabled
     dense = GRPOTrainer(
         build_tiny_model(tokenizer),

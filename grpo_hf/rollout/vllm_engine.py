@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from grpo_hf.core import prompt_runs
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
+from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
 
@@ -129,39 +129,6 @@ def pad_rows(rows: list[tuple[list[int], list[float]]], pad: int, device) -> tup
     return completion_ids.to(device), sampling_logps.to(device)
 
 
-def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under their checkpoint names, one tensor at a time (never a second full copy).
-
-    Tied weights come under each of their names: vLLM's in-place reload re-creates its parameters layer by layer, which
-    unties its lm_head from the embeddings (a push without `lm_head.weight` leaves it random). A PEFT model yields its
-    base weights with each LoRA delta merged in (W + scale B A), computed per layer; the model itself stays unmerged.
-    A sharded parameter (FSDP2's DTensor) is gathered one at a time.
-    """
-    if hasattr(model, "peft_config"):
-        yield from _merged_lora_weights(model)
-        return
-    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name (lm_head)
-        yield name, _full(param)
-
-
-def _merged_lora_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    from peft.tuners.lora import LoraLayer
-
-    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
-    base = model.get_base_model()
-    deltas = {}
-    for module_name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            deltas[f"{module_name}.base_layer.weight"] = module
-    for name, param in base.named_parameters(remove_duplicate=False):
-        if "lora_" in name or ".original_module." in name:
-            continue
-        weight = _full(param)
-        if name in deltas:
-            weight = weight + deltas[name].get_delta_weight(adapter).to(weight.dtype)
-        yield name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", "."), weight
-
-
 def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for these settings: the model's dtype, a context of prompt + completion,
     processed log-probs; on CPU eager mode (vLLM's compile step costs minutes there); `vllm_kwargs` over them."""
@@ -185,10 +152,6 @@ def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dic
     else:
         kwargs["enforce_eager"] = True
     return {**kwargs, **(args.vllm_kwargs or {})}  # a dict: GRPOConfig reads JSON text when it is built
-
-
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
 
 
 class VLLMColocate:

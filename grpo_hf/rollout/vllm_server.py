@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpo_hf.parallel import stop_together
+from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,6 @@ class VLLMServer:
     def push(self, model) -> float:
         """Process 0 writes the weights as shards and has the server reload them; every process walks the weights
         (a sharded parameter is gathered collectively). Returns the seconds it took."""
-        from grpo_hf.rollout.vllm_engine import named_weights
-
         start, failure = time.perf_counter(), None
         if not self.is_main:
             for _ in named_weights(model):  # take part in the gathers of sharded parameters

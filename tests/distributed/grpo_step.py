@@ -93,7 +93,7 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: b
     if trainer.accelerator.is_main_process:
         loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        fast_path = trainer._can_share_prefix(trainer.model_wrapped)
+        fast_path = trainer.logps.blocker(trainer.model_wrapped) is None
         torch.save({"advantages": all_advantages, "loss": loss, "params": params, "fast_path": fast_path}, out_path)
     # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
     trainer.accelerator.wait_for_everyone()
