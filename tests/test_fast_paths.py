@@ -13,12 +13,19 @@ from transformers import (
 
 from grpo_hf.rollout import (
     engine_class,
-    generate,
+    make_engine,
     sample_categorical,
     sample_groups,
     supports_sample_groups,
     tokenize_prompts,
 )
+
+
+def generate(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, *, use_model_generate=False):
+    """One rollout with the `loop` engine (where it applies) or `model.generate`: ids, mask [N, T], flags [N]."""
+    name = "generate" if use_model_generate else "loop"
+    engine, _ = make_engine(name, model, generation_config, eos_token_ids)
+    return engine.generate(model, prompt_ids, prompt_mask)
 
 
 def _prompts(tokenizer):
