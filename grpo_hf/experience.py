@@ -75,6 +75,17 @@ class Models:
     reference: nn.Module | None  # the reference model; None under PEFT (the policy with adapters off) or beta = 0
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What sampling needs besides the model: the settings the rollout engine is built with, and the chat template's
+    extra arguments."""
+
+    generation_config: Any  # a `transformers.GenerationConfig`: max_new_tokens, temperature, top_p, ...
+    eos_token_ids: list[int]  # every id that ends a completion
+    chat_template_kwargs: dict[str, Any]
+    sharded: bool  # FSDP or ZeRO-3: the weights are gathered anew for each rollout
+
+
 class ExperienceMaker:
     """The rollouts of one run: `train_batches` for a training step, `eval_batch` for an evaluation batch."""
 
@@ -90,7 +101,7 @@ class ExperienceMaker:
         guard: NonfiniteGuard,
         metrics: Metrics,
         state: Callable[[], Any],  # -> Trainer's `TrainerState` (the step, for reward functions and logs)
-        generation: dict[str, Any],  # generation_config, eos_token_ids, chat_template_kwargs, sharded
+        generation: Generation,
         rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
         train_rows: Callable[[], Any] | None = None,  # -> the train dataset as the dataloader serves it
     ):
@@ -285,14 +296,14 @@ class ExperienceMaker:
         device, pad = self.accelerator.device, self.tokenizer.pad_token_id
         self.num_generate_calls += 1
         if self.rollout_func is not None:
-            eos = self.generation["eos_token_ids"]
+            eos = self.generation.eos_token_ids
             tokens, is_truncated, extra = rollout_from_func(
                 self.rollout_func, prompts, pad_token_id=pad, eos_token_ids=eos, device=device
             )
             columns.update(extra)
             return tokens, is_truncated, None, torch.zeros(len(prompts), dtype=torch.bool)
         prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
-            self.tokenizer, prompts, self.args.max_prompt_length, self.generation["chat_template_kwargs"]
+            self.tokenizer, prompts, self.args.max_prompt_length, self.generation.chat_template_kwargs
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
         with self.model_for_generation() as unwrapped:
@@ -356,9 +367,9 @@ class ExperienceMaker:
             self.engine, why = make_engine(
                 self.args.rollout_engine,
                 model,
-                self.generation["generation_config"],
-                self.generation["eos_token_ids"],
-                sharded=self.generation["sharded"],
+                self.generation.generation_config,
+                self.generation.eos_token_ids,
+                sharded=self.generation.sharded,
                 autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
                 args=self.args,  # for the engines that take settings from it (vllm)
                 accelerator=self.accelerator,

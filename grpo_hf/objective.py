@@ -17,9 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_hf.core import LOSS_VARIANTS, EntropyControl, entropy_bonus, grpo_loss_with, high_entropy_mask
+from grpo_hf.core import (
+    LOSS_VARIANTS,
+    EntropyControl,
+    entropy_bonus,
+    grpo_loss_with,
+    high_entropy_mask,
+    sampling_importance_weights,
+)
 from grpo_hf.rollout.batching import MicroBatch
-from grpo_hf.vllm_config import vllm_sampling_weight
 
 
 class Objective:
@@ -45,7 +51,7 @@ class Objective:
         None for evaluation (on-policy, normalised by this batch's own tokens, nothing accumulated). `router_aux`:
         the MoE load-balancing losses of the forwards."""
         args, mask, train = self.args, batch.completion_mask, accumulation_steps is not None
-        sampling_weight, sampling_metrics = vllm_sampling_weight(args, logps, batch) if train else (None, {})
+        sampling_weight, sampling_metrics = self.sampling_weight(logps, batch) if train else (None, {})
         loss, metrics = grpo_loss_with(
             logps,
             batch.old_logps,
@@ -72,6 +78,21 @@ class Objective:
             metrics["aux_loss"] = aux_loss.item()
             loss = loss + self.router_aux_loss_coef * aux_loss
         return loss, metrics
+
+    def sampling_weight(self, logps: Tensor, batch: MicroBatch) -> tuple[Tensor | None, dict[str, float]]:
+        """vLLM's importance-sampling correction (`core.sampling_importance_weights`): the weight pi_old / pi_vllm
+        [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the correction off
+        (`sampling_correction_kwargs`). Without old log-probs (no optimizer step since the rollout) pi_old is the
+        current policy's, detached."""
+        settings = self.args.sampling_correction_kwargs()
+        if settings is None or batch.sampling_logps is None:
+            return None, {}
+        old_logps = logps.detach() if batch.old_logps is None else batch.old_logps
+        weight, values = sampling_importance_weights(
+            old_logps, batch.sampling_logps, batch.completion_mask, **settings
+        )
+        floats = torch.stack(list(values.values())).tolist()  # one sync per micro-batch
+        return weight, {f"sampling/{name}": value for name, value in zip(values, floats, strict=True)}
 
     @property
     def needs_entropy(self) -> bool:

@@ -34,7 +34,7 @@ from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import _off_policy_mask
-from grpo_hf.experience import ExperienceMaker, Models, RewardSet
+from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
@@ -176,7 +176,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     def _experience_maker(self, rollout_func) -> ExperienceMaker:
         """The rollouts, given what they use: the trainer's own state is read through these functions only."""
-        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+        zero3 = is_zero3(self.accelerator)
         return ExperienceMaker(
             self.args,
             self.accelerator,
@@ -187,12 +187,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             guard=self.guard,
             metrics=self._metrics,
             state=lambda: self.state,
-            generation={
-                "generation_config": self.generation_config,
-                "eos_token_ids": self.eos_token_ids,
-                "chat_template_kwargs": self.chat_template_kwargs,
-                "sharded": sharded,
-            },
+            generation=Generation(
+                self.generation_config, self.eos_token_ids, self.chat_template_kwargs, self.is_fsdp_enabled or zero3
+            ),
             rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
             train_rows=lambda: self._remove_unused_columns(self.train_dataset, description="training"),
         )

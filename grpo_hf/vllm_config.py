@@ -14,9 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
-from grpo_hf.core import SAMPLING_CORRECTION_MODES, sampling_importance_weights
+from grpo_hf.core import SAMPLING_CORRECTION_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -207,19 +205,3 @@ class VLLMArguments:
             "clip_min": self.vllm_importance_sampling_clip_min,
             "clip_max": self.vllm_importance_sampling_clip_max,
         }
-
-
-def vllm_sampling_weight(args, logps: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor | None, dict]:
-    """vLLM's importance-sampling correction (`core.sampling_importance_weights`) for one micro-batch: the weight
-    pi_old / pi_vllm [B, T] or [B, 1] and its metrics, or (None, {}) without vLLM log-probs or with the correction off
-    (`args.sampling_correction_kwargs`). Without old log-probs (no optimizer step since the rollout) pi_old is the
-    current policy's detached log-probs."""
-    settings = args.sampling_correction_kwargs()
-    if settings is None or batch.get("sampling_logps") is None:
-        return None, {}
-    old_logps = batch.get("old_logps")
-    old_logps = logps.detach() if old_logps is None else old_logps
-    mask = batch["completion_mask"]
-    weight, values = sampling_importance_weights(old_logps, batch["sampling_logps"], mask, **settings)
-    floats = torch.stack(list(values.values())).tolist()  # one sync per micro-batch
-    return weight, {f"sampling/{name}": value for name, value in zip(values, floats, strict=True)}

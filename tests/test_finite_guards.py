@@ -52,9 +52,15 @@ def _index_reward(completion_ids, **kwargs):
 class NaNReference(GRPOTrainer):
     """The reference log-probs of the first rollout are NaN (as from a broken reference model)."""
 
-    def _reference_logps(self, batch):
-        logps = super()._reference_logps(batch)
-        return logps * float("nan") if self.num_generate_calls == 1 else logps
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reference_logps = self.experience.reference_logps
+
+        def nan_in_the_first_rollout(batch):
+            logps = reference_logps(batch)
+            return logps * float("nan") if self.num_generate_calls == 1 else logps
+
+        self.experience.reference_logps = nan_in_the_first_rollout
 
 
 def _trainer(cls, tmp_path, tokenizer, reward=_index_reward, **overrides):

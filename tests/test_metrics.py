@@ -30,9 +30,9 @@ def test_a_row_holds_each_names_mean_and_clears_what_it_used():
 def test_logged_values_become_one_mean_per_rollout():
     """`log_metric` values: each rollout contributes the mean of its values, and a row averages those means."""
     metrics = Metrics()
-    metrics.add_logged("train", {"answer_length": [10.0, 20.0, 30.0], "steps": [1.0]}, ONE_PROCESS)
-    metrics.add_logged("train", {"answer_length": [40.0]}, ONE_PROCESS)
-    metrics.add_logged("train", {}, ONE_PROCESS)
+    metrics.add_logged(metrics["train"], {"answer_length": [10.0, 20.0, 30.0], "steps": [1.0]}, ONE_PROCESS)
+    metrics.add_logged(metrics["train"], {"answer_length": [40.0]}, ONE_PROCESS)
+    metrics.add_logged(metrics["train"], {}, ONE_PROCESS)
     assert metrics["train"]["answer_length"] == [20.0, 40.0]
     assert metrics.pop_means("train", ONE_PROCESS) == {"answer_length": 30.0, "steps": 1.0}
 

@@ -62,7 +62,8 @@ class Rollout(Sequences):
 
     def as_batch(self) -> MicroBatch:
         """All B rows as one `MicroBatch` (advantages required), to be split or evaluated."""
-        assert self.advantages is not None, "the rollout's advantages are computed before it is batched"
+        if self.advantages is None:
+            raise ValueError("A rollout is batched once its advantages are computed (it holds whole groups).")
         tokens = {f.name: getattr(self, f.name) for f in fields(Sequences)}
         return MicroBatch(
             **tokens, advantages=self.advantages, sampling_logps=self.sampling_logps, nonfinite=self.nonfinite
