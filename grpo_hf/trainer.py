@@ -33,7 +33,7 @@ from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfinit
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
-from grpo_hf.core import _off_policy_mask
+from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
@@ -372,7 +372,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """TRL's method: DeepSeek-V3.2's off-policy sequence mask [B, 1] (`core`, `off_policy_mask_threshold`), 0 where
         A < 0 and the mean log(pi_old / pi) over the completion exceeds the threshold. NaN log-probs count as 0."""
         log_ratio = torch.nan_to_num(per_token_logps.detach() - sampling_per_token_logps)  # log(pi / pi_old)
-        return _off_policy_mask(log_ratio, advantages, mask, off_policy_threshold).to(mask.dtype)
+        return off_policy_mask(log_ratio, advantages, mask, off_policy_threshold).to(mask.dtype)
 
     @property
     def entropy_coef(self) -> float:

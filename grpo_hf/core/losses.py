@@ -397,7 +397,6 @@ def _to_floats(values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(values, torch.stack(list(values.values())).tolist(), strict=True))
 
 
-_off_policy_mask = off_policy_mask  # the name the trainer imports today
 
 
 def _token_mask(policy_mask: Tensor, per_sequence: bool, dtype: torch.dtype) -> Tensor:
