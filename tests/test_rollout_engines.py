@@ -221,3 +221,27 @@ def test_split_into_micro_batches_trims_each_ones_own_padding():
     assert first.prompt_ids.tolist() == [[5], [6]] and first.completion_ids.tolist() == [[1, 2], [3, 0]]
     assert second.prompt_ids.shape == (2, 3) and second.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert first.old_logps is None and second.advantages.tolist() == [0.5, -0.5]
+
+
+def test_split_into_micro_batches_pads_each_one_once_to_the_multiple():
+    """pad_to_multiple_of: each micro-batch is trimmed, then padded once; per-token columns follow the completions, the
+    new positions are masked out, and the rows keep their values."""
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    batch = MicroBatch(
+        prompt_ids=torch.tensor([[0, 5, 6], [0, 5, 6], [0, 0, 7], [0, 0, 7]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]),
+        completion_ids=torch.arange(1, 21).view(4, 5) * completion_mask,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        ref_logps=-torch.rand(4, 5) * completion_mask,
+    )
+    first, second = split_into_micro_batches(batch, 2, multiple=4, pad_token_id=0)
+    for part, rows in ((first, slice(0, 2)), (second, slice(2, 4))):
+        assert part.prompt_ids.size(1) == 4 and part.completion_ids.size(1) == 4
+        assert part.ref_logps.shape == part.completion_ids.shape
+        width = int(batch.completion_mask[rows].sum(dim=1).max())  # the columns the rows use
+        assert torch.equal(part.completion_mask[:, :width], batch.completion_mask[rows, :width])
+        assert part.completion_mask[:, width:].sum() == 0 and part.ref_logps[:, width:].abs().sum() == 0
+        assert torch.equal(part.ref_logps[:, :width], batch.ref_logps[rows, :width])
+        assert torch.equal(part.advantages, batch.advantages[rows])
+    assert first.prompt_ids.tolist() == [[0, 0, 5, 6], [0, 0, 5, 6]] and second.prompt_mask.tolist()[0] == [0, 0, 0, 1]
