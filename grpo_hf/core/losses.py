@@ -397,8 +397,6 @@ def _to_floats(values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(values, torch.stack(list(values.values())).tolist(), strict=True))
 
 
-
-
 def _token_mask(policy_mask: Tensor, per_sequence: bool, dtype: torch.dtype) -> Tensor:
     """`grpo_loss`'s policy_mask as a `[N, T]` factor; refused for a per-sequence objective (sequence_sum)."""
     if per_sequence:
