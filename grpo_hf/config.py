@@ -373,8 +373,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         metadata={
             "help": "When trainable weights are bf16/fp16 (a model loaded with dtype=bfloat16) and DeepSpeed does not "
             "manage precision: the optimizer updates fp32 master copies and writes them back, rounded, after each "
-            "step. Without them most updates at RL learning rates round away (one AdamW step at lr 1e-5 changes 2% of "
-            "a bf16 model's weights). Costs 4 bytes per trainable parameter. False: update the bf16 weights directly."
+            "step. Without them most updates at RL learning rates round away (one AdamW step at lr 1e-5 changes 2 in "
+            "100 of a bf16 model's weights). Costs 4 bytes per trainable parameter. False: update the bf16 weights "
+            "directly."
         },
     )
     lost_update_check_steps: int = field(

@@ -31,6 +31,14 @@ def test_every_field_has_help():
     assert [f.name for f in own if not f.metadata.get("help")] == []
 
 
+def test_the_command_line_help_renders():
+    """argparse %-formats help strings: a bare "%" in a field's help breaks `--help` (`python recipes/gsm8k.py`)."""
+    from transformers import HfArgumentParser
+
+    text = HfArgumentParser(GRPOConfig).format_help()
+    assert "--fp32_master_weights" in text and "--vllm_importance_sampling_clip_max" in text
+
+
 def test_generation_batch_is_derived_from_accumulation():
     c = config(per_device_train_batch_size=8, gradient_accumulation_steps=3)
     assert (c.steps_per_generation, c.generation_batch_size) == (3, 24)
