@@ -99,7 +99,7 @@ def naive_entropy_loss(logps, entropy, old_logps, ref_logps, advantages, mask, *
 
 
 def implementation(logps, entropy, old_logps, ref_logps, advantages, mask, *, rho, coef, **kwargs):
-    """What the trainer's `_loss` composes (before its dapo rescaling): mask, grpo_loss, minus the bonus."""
+    """What the trainer's `Objective` composes (before its dapo rescaling): mask, grpo_loss, minus the bonus."""
     policy_mask = high_entropy_mask(entropy.detach(), mask, rho)
     loss, _ = grpo_loss(logps, old_logps, ref_logps, advantages, mask, policy_mask=policy_mask, **kwargs)
     return loss - entropy_bonus(entropy, mask * policy_mask, coef)
