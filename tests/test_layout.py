@@ -15,39 +15,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The `grpo_hf` modules `path` imports when it runs: `if TYPE_CHECKING:` blocks left out."""
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, *, type_checking: bool) -> set[str]:
+    """The `grpo_hf` modules `path` names in an import statement: at the top and inside functions, and with
+    `type_checking` also under `if TYPE_CHECKING:` (without it, what runs). `from grpo_hf.x import y` imports
+    `grpo_hf.x.y` when that is a module, else `grpo_hf.x`."""
     tree = ast.parse(path.read_text())
-    skipped = {
-        id(node)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for statement in block.body
-        for node in ast.walk(statement)
-    }
+    skipped = set()
+    if not type_checking:
+        skipped = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for statement in block.body
+            for node in ast.walk(statement)
+        }
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        found.update(name for name in names if name.split(".")[0] == "grpo_hf")
-    return found
-
-
-MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-IMPORTS = {name: {m for m in runtime_imports(path) if m in MODULES} for name, path in MODULES.items()}
-
-
-def every_import(path: Path) -> set[str]:
-    """Every `grpo_hf` module `path` names in an import statement anywhere: at the top, inside functions, under
-    `if TYPE_CHECKING:`. `from grpo_hf.x import y` imports `grpo_hf.x.y` when that is a module, else `grpo_hf.x`."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             submodules = {f"{node.module}.{alias.name}" for alias in node.names} & MODULES.keys()
             names = submodules if len(submodules) == len(node.names) else {node.module, *submodules}
@@ -59,7 +47,8 @@ def every_import(path: Path) -> set[str]:
     return found - {module_name(path)}
 
 
-ALL_IMPORTS = {name: every_import(path) for name, path in MODULES.items()}
+IMPORTS = {name: imports_of(path, type_checking=False) for name, path in MODULES.items()}
+ALL_IMPORTS = {name: imports_of(path, type_checking=True) for name, path in MODULES.items()}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
