@@ -248,11 +248,11 @@ class ExperienceMaker:
         accelerator = self.accelerator
         prompts = [row["prompt"] for row in inputs]
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
-        tokens, is_truncated, sampling_logps, is_prompt_truncated = self.sample(prompts, columns)  # may add columns
-        lengths = tokens.completion_mask.sum(dim=1)  # [B]
+        sampled, is_truncated, sampling_logps, is_prompt_truncated = self.sample(prompts, columns)  # may add columns
+        lengths = sampled.completion_mask.sum(dim=1)  # [B]
         failure = None
         try:
-            rewards, texts, errors, logs = self.score(prompts, columns, tokens.completion_ids, lengths)  # [B, R]
+            rewards, texts, errors, logs = self.score(prompts, columns, sampled.completion_ids, lengths)  # [B, R]
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
             failure = error
         stop_together(failure, accelerator, "computing rewards")
@@ -268,7 +268,7 @@ class ExperienceMaker:
         self._record_lengths(metrics, lengths, is_truncated, is_prompt_truncated)
         extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
         return Rollout(
-            **{f.name: getattr(tokens, f.name) for f in fields(Sequences)},
+            **sampled.tokens(),
             is_truncated=is_truncated,
             prompts=prompts,
             texts=texts,

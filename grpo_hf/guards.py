@@ -96,9 +96,7 @@ class NonfiniteGuard:
 
     def loss(self, loss: Tensor, batch, model: nn.Module, step: int) -> bool:
         """A micro-batch's loss (a `MicroBatch`), non-finite on any process; `model` unwrapped."""
-        bad = not bool(torch.isfinite(loss).all())
-        if self.accelerator.num_processes > 1:
-            bad = sum_over_processes(self.accelerator, int(bad)) > 0
+        bad = sum_over_processes(self.accelerator, int(not bool(torch.isfinite(loss).all()))) > 0
         return bad and self._report("loss", explain_loss(loss, batch, model.named_parameters()), step)
 
     def gradient_norm(self, norm, model: nn.Module, step: int) -> bool:

@@ -40,9 +40,13 @@ class Sequences:
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
+    def tokens(self) -> dict[str, Tensor]:
+        """The four token tensors by name (of a `Rollout` or `MicroBatch` too: what a new batch is built from)."""
+        return {f.name: getattr(self, f.name) for f in fields(Sequences)}
+
     def rows(self, start: int, stop: int) -> Sequences:
         """Rows [start, stop) of the four token tensors, as plain `Sequences`."""
-        return Sequences(*(getattr(self, f.name)[start:stop] for f in fields(Sequences)))
+        return Sequences(**{name: value[start:stop] for name, value in self.tokens().items()})
 
 
 @dataclass
@@ -64,9 +68,8 @@ class Rollout(Sequences):
         """All B rows as one `MicroBatch` (advantages required), to be split or evaluated."""
         if self.advantages is None:
             raise ValueError("A rollout is batched once its advantages are computed (it holds whole groups).")
-        tokens = {f.name: getattr(self, f.name) for f in fields(Sequences)}
         return MicroBatch(
-            **tokens, advantages=self.advantages, sampling_logps=self.sampling_logps, nonfinite=self.nonfinite
+            **self.tokens(), advantages=self.advantages, sampling_logps=self.sampling_logps, nonfinite=self.nonfinite
         )
 
 
