@@ -34,7 +34,6 @@ class Objective:
     def __init__(self, args, accelerator, router_aux_loss_coef: float):
         self.args, self.accelerator, self.router_aux_loss_coef = args, accelerator, router_aux_loss_coef
         self.entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient
-        self.is_dapo = LOSS_VARIANTS[args.loss_type].aggregation == "dapo"  # dapo, cispo, vespo: global tokens
 
     def __call__(
         self,
@@ -50,7 +49,7 @@ class Objective:
         [B, T] (None: all), with its metrics. `accumulation_steps`: Trainer's for this optimizer step (training);
         None for evaluation (on-policy, normalised by this batch's own tokens, nothing accumulated). `router_aux`:
         the MoE load-balancing losses of the forwards."""
-        args, mask, train = self.args, batch.completion_mask, accumulation_steps is not None
+        settings, mask, train = self.args.loss_settings(), batch.completion_mask, accumulation_steps is not None
         sampling_weight, sampling_metrics = self.sampling_weight(logps, batch) if train else (None, {})
         loss, metrics = grpo_loss_with(
             logps,
@@ -58,13 +57,13 @@ class Objective:
             batch.ref_logps,
             batch.advantages,
             mask,
-            args.loss_settings(),
+            settings,
             num_items=batch.num_items_in_batch if train else mask.sum(),
             policy_mask=policy_mask,
             sampling_weight=sampling_weight,
         )
         metrics.update(sampling_metrics)
-        if train and self.is_dapo:
+        if train and LOSS_VARIANTS[settings.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens
             # dapo's loss is a sum over the whole optimizer step divided by its token count. Trainer divides each
             # micro-batch loss by the accumulation steps and data parallelism averages gradients over processes;
             # undo both so the gradient is exactly that sum / count.
