@@ -12,10 +12,9 @@ One optimizer step (docs/design.md, "One training step")::
     compute_loss       the policy's log-probs -> Objective: core.grpo_loss_with, entropy bonus, MoE aux loss
     Trainer            backward, clip, optimizer step (callbacks: skip a non-finite step, stop, sync), log
 
-The trainer wires the pieces, each in its own module, and gives each what it uses when it builds it
-(`_init_state`); none of them reads the trainer back: `experience` (the rollout half of a step), `rollout`
-(engines, batching), `rewards`, `core` (the maths), `logprobs`, `objective`, `guards` (non-finite values),
-`metrics`, `callbacks`, `precision` (fp32 master weights) and `checkpoint` (checkpoints, exact resume).
+The trainer wires the pieces, each in its own module, given what it uses when built (`_init_state`), none reading
+the trainer back: `experience` (the rollout half of a step), `rollout` (engines, batching), `rewards`, `core` (the
+maths), `logprobs`, `objective`, `guards`, `metrics`, `callbacks`, `precision` and `checkpoint`.
 """
 
 from __future__ import annotations
@@ -100,11 +99,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        for name, value in (("quantization_config", quantization_config), ("tools", tools)):
-            if value:  # the agentic and TRL-surface work lands these; until then say so instead of ignoring them
-                raise NotImplementedError(f"GRPOTrainer({name}=...) is not supported yet.")
-        if environment_factory is not None:
-            raise NotImplementedError("GRPOTrainer(environment_factory=...) is not supported yet.")
+        if quantization_config is not None or tools or environment_factory is not None:  # being built: say so
+            raise NotImplementedError("quantization_config, tools and environment_factory are not supported yet.")
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
