@@ -99,8 +99,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        if quantization_config is not None or tools or environment_factory is not None:  # being built: say so
-            raise NotImplementedError("quantization_config, tools and environment_factory are not supported yet.")
+        validation.check_not_yet_supported(
+            quantization_config=quantization_config, tools=tools, env=environment_factory
+        )
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
