@@ -99,9 +99,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        validation.check_not_yet_supported(
-            quantization_config=quantization_config, tools=tools, env=environment_factory
-        )
+        validation.check_not_yet_supported(quantization=quantization_config, tools=tools, env=environment_factory)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
