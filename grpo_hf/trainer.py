@@ -138,10 +138,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
         self.ref_model = self._place_models(ref_model)
 
-        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), processing_class)
-        self.generation_config = args.generation_config_for(processing_class.pad_token_id, self.eos_token_ids)
-        self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
-
         self._init_state(args, rollout_func)
 
     # ---- construction helpers --------------------------------------------------------------------------------
@@ -149,6 +145,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
         the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
         around the optimizer step."""
+        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), self.processing_class)
+        self.generation_config = args.generation_config_for(self.processing_class.pad_token_id, self.eos_token_ids)
+        self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         self._metrics = Metrics()
