@@ -38,7 +38,7 @@ from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.objective import Objective
+from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.rewards import reward_func_name
@@ -366,8 +366,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's method: bool [B, T], the completion tokens whose entropy is at least the `threshold` quantile of the
-        completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile)."""
-        return self.objective.high_entropy_mask(entropies, mask, 1.0 - threshold)
+        completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile). As TRL's, it
+        reads only its arguments and `self.accelerator`."""
+        return gathered_high_entropy_mask(self.accelerator, entropies, mask, 1.0 - threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
