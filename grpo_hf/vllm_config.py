@@ -73,6 +73,21 @@ class VLLMArguments:
             "(generation, weight push). Past it the run stops with a ConnectionError that says what to check."
         },
     )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "Port of the weight-sync process group of TRL's own server (`trl vllm-serve`), which the trainer "
+            "joins when vllm_mode='server' and that server answers (grpo_hf's `python -m grpo_hf.vllm_serve` takes "
+            "the weights as files and does not use it)."
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM only (colocate and server): constrain every completion to match this regular expression "
+            "(vLLM's structured outputs). None: unconstrained."
+        },
+    )
     vllm_server_weights_dir: str | None = field(
         default=None,
         metadata={
