@@ -36,6 +36,7 @@ from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
 from grpo_hf.metrics import Metrics, check_finite_rewards, reward_metrics
 from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3, stop_together, sum_over_processes
+from grpo_hf.peft_utils import reference_adapter
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import (
@@ -163,13 +164,14 @@ class ExperienceMaker:
         return split_into_micro_batches(rollout.as_batch(), size, self.pad_multiple(), self.tokenizer.pad_token_id)
 
     def reference_logps(self, batch: Sequences) -> Tensor | None:
-        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with adapters off."""
+        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with its frozen copy of
+        a given adapter, or with adapters off (`peft_utils.reference_adapter`)."""
         if self.args.beta == 0.0:
             return None
         if self.models.reference is not None:
             return self.logps.no_grad(self.models.reference, batch)
         policy = self.models.policy()
-        with self.accelerator.unwrap_model(policy).disable_adapter():
+        with reference_adapter(self.accelerator.unwrap_model(policy)):  # the given adapter, or the adapters off
             return self.logps.no_grad(policy, batch)
 
     def _set_token_counts(self, batches: list[MicroBatch]) -> None:

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_hf.paths import check_local_path
-from grpo_hf.peft_utils import base_model, is_peft_model
+from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
 from grpo_hf.validation import check_processing_class
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,8 @@ def build_models(
     """The policy (PEFT-wrapped when `peft_config`), the reference model and the (left-padding) tokenizer.
 
     The reference model is built only `with_reference` (beta != 0), frozen, in eval mode; under LoRA there
-    is none: the reference is the policy with its adapters switched off, so no second copy is built.
+    is none: the reference is the policy with a new adapter switched off, or, for a given PeftModel, with a frozen
+    copy of its adapter (`peft_utils.add_reference_adapter`), so no second copy of the model is built.
     A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
     """
     kwargs = {"dtype": "auto", **(model_init_kwargs or {})}
@@ -263,6 +264,8 @@ def build_models(
         if disable_dropout:
             turn_off_dropout(ref_model)
 
+    if with_reference and is_peft_model(model):
+        add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL)
     if peft_config is not None:
         from peft import get_peft_model
 

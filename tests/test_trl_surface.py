@@ -1,0 +1,78 @@
+"""TRL 1.16 behaviours beyond the names: a given PeftModel's reference is its adapter, frozen; `use_liger_kernel`,
+`quantization_config`, string reward models' `model_init_kwargs`, the completion logs (`log_completions` files,
+`log_unique_prompts`, `log_completions_hub_repo`), `ds3_gather_for_generation`. Tiny models, CPU, offline."""
+
+import copy
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from test_trainer import id_sum_reward, make_args, make_dataset, train_logs
+
+from grpo_hf import GRPOTrainer
+from grpo_hf.logprobs import padded_logps
+from grpo_hf.peft_utils import REFERENCE_ADAPTER
+
+
+def trained_adapter(tokenizer):
+    """A PeftModel whose adapter is not the identity: lora_B set to random values, so it moves the logits."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        build_tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def test_a_given_peft_model_is_its_own_reference_frozen(tmp_path, tokenizer):
+    """beta > 0 and a PeftModel with a trained adapter: the reference is that adapter (a frozen copy), not the base
+    model. The first step's KL is 0, its reference log-probs are the given PeftModel's, and the copy stays put."""
+    model = trained_adapter(tokenizer)
+    given = copy.deepcopy(model).eval()
+    args = make_args(tmp_path, max_steps=2, beta=0.1)
+    trainer = GRPOTrainer(model, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
+    assert (
+        set(trainer.model.peft_config) == {"default", REFERENCE_ADAPTER} and trainer.model.active_adapter == "default"
+    )
+    reference = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{REFERENCE_ADAPTER}." in n}
+    assert reference and not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in reference)
+    batches = []
+    original = trainer.experience.train_batches
+    trainer.experience.train_batches = lambda rows: batches.append(original(rows)) or batches[-1]
+    trainer.train()
+    first = batches[0][0]
+    with torch.no_grad():
+        expected, _ = padded_logps(given, first)
+        with given.disable_adapter():
+            base_model_logps, _ = padded_logps(given, first)
+    mask = first.completion_mask.bool()
+    torch.testing.assert_close(first.ref_logps[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert (base_model_logps[mask] - expected[mask]).abs().max() > 1e-3  # the base model would be another reference
+    logs = train_logs(trainer)
+    assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logs[1]["kl"] > 0.0
+    for name, param in trainer.model.named_parameters():
+        if name in reference:
+            assert torch.equal(param, reference[name]), name  # the reference adapter did not train
+    trained = [p for n, p in trainer.model.named_parameters() if ".default." in n and "lora_" in n]
+    assert trained and all(p.requires_grad for p in trained)  # the trained adapter is trainable again
+
+
+def test_a_new_adapter_keeps_the_base_model_as_reference(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = make_args(tmp_path, max_steps=1, beta=0.1)
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer),
+        id_sum_reward,
+        args,
+        make_dataset(),
+        processing_class=tokenizer,
+        peft_config=config,
+    )
+    assert set(trainer.model.peft_config) == {"default"}  # a new adapter starts as the base model: no copy needed
