@@ -8,6 +8,7 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -475,6 +476,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         self._check_sampling()
         self._check_loss()
         self._check_rollout_options()
+        self._check_liger()
         self._derive_generation_batch()
 
     def _check_choices(self) -> None:
@@ -557,6 +559,27 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             raise ValueError(
                 "auto_find_batch_size=True would shrink the batch below whole groups of num_generations. Set it to "
                 "False and lower per_device_train_batch_size instead."
+            )
+
+    def _check_liger(self) -> None:
+        """`use_liger_kernel` as in TRL: Liger's layer kernels (RMSNorm, SwiGLU, RoPE, ...) only. Its fused linear
+        cross-entropy, part of transformers' default patching, replaces the model's forward, which would compute a
+        loss GRPO does not use and skip the LM head grpo_hf runs only at completion positions: refused."""
+        if not self.use_liger_kernel:
+            return
+        settings = as_dict(self.liger_kernel_config, "liger_kernel_config")
+        if settings.get("fused_linear_cross_entropy"):
+            raise ValueError(
+                'liger_kernel_config={"fused_linear_cross_entropy": True} replaces the model\'s forward with a '
+                "cross-entropy loss, which GRPO does not use (it needs the completion tokens' log-probs). Leave it "
+                "out: use_liger_kernel=True then applies Liger's layer kernels only, as TRL does."
+            )
+        self.liger_kernel_config = {**settings, "fused_linear_cross_entropy": False}
+        if importlib.util.find_spec("liger_kernel") is None or self.use_cpu:
+            raise ImportError(
+                "use_liger_kernel=True needs the liger-kernel package and a GPU (its kernels are Triton kernels): "
+                "`pip install liger-kernel` on a GPU machine, or set use_liger_kernel=False (the loss is the same "
+                "without it)."
             )
 
     def _resolve_engine_aliases(self) -> None:

@@ -76,3 +76,24 @@ def test_a_new_adapter_keeps_the_base_model_as_reference(tmp_path, tokenizer):
         peft_config=config,
     )
     assert set(trainer.model.peft_config) == {"default"}  # a new adapter starts as the base model: no copy needed
+
+
+def test_use_liger_kernel_applies_layer_kernels_only_or_says_what_is_missing(tmp_path, monkeypatch):
+    """Never transformers' default Liger patching (whose fused linear cross-entropy replaces the forward): TRL's layer
+    kernels only, and a clear error where liger-kernel or a GPU is missing."""
+    from grpo_hf import GRPOConfig
+
+    with pytest.raises(ImportError, match="use_liger_kernel=True needs the liger-kernel package and a GPU"):
+        GRPOConfig(output_dir=str(tmp_path), use_liger_kernel=True, use_cpu=True)
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy"):
+        GRPOConfig(
+            output_dir=str(tmp_path), use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}
+        )
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else find_spec(name, *a)
+    )
+    args = GRPOConfig(output_dir=str(tmp_path), use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
+    assert args.liger_kernel_config == {"rms_norm": True, "fused_linear_cross_entropy": False}
