@@ -442,8 +442,10 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "Print a table of prompt / completion / rewards / advantage every logging step and append the "
-            "rows to `output_dir/completions.jsonl`."
+            "help": "At every log, in training (the latest rollout) and evaluation: print a table of prompt / "
+            "completion / rewards / advantage, append the rows to `output_dir/completions.jsonl` and write TRL's "
+            "`output_dir/completions/completions_<step>.parquet` (`eval_completions_<step>.parquet`), and send the "
+            "table to wandb / trackio when they report."
         },
     )
     num_completions_to_print: int | None = field(

@@ -118,7 +118,8 @@ class ExperienceMaker:
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
-        self.completion_rows: list[dict[str, Any]] = []  # the last rollout's rows for `log_completions`
+        # `log_completions`: the last training rollout's rows, and the rows of the evaluation under way
+        self.completion_rows: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
         self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
 
@@ -155,6 +156,8 @@ class ExperienceMaker:
         if rollout.combined_rewards.numel() % G:
             return None
         self.set_advantages(rollout, G)
+        if self.args.log_completions:
+            self.completion_rows["eval"] += self._completion_rows(rollout)
         (batch,) = self.split(rollout, len(rollout))
         batch.ref_logps = self.reference_logps(batch)
         return batch
@@ -233,16 +236,15 @@ class ExperienceMaker:
         self.num_tokens += sum_over_processes(self.accelerator, tokens)
         self.metrics["train"]["num_tokens"].append(float(self.num_tokens))
         if self.args.log_completions:
-            rows = completion_rows(
-                self.state().global_step,
-                rollout.prompts,
-                rollout.texts,
-                self.rewards.names,
-                rollout.rewards,
-                rollout.advantages,
-                rollout.extra,
-            )
-            self.completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+            self.completion_rows["train"] = self._completion_rows(rollout)
+
+    def _completion_rows(self, rollout: Rollout) -> list[dict[str, Any]]:
+        """The `log_completions` rows of `rollout`, of every process."""
+        names, step = self.rewards.names, self.state().global_step
+        rows = completion_rows(
+            step, rollout.prompts, rollout.texts, names, rollout.rewards, rollout.advantages, rollout.extra
+        )
+        return gather_object(rows) if self.accelerator.num_processes > 1 else rows
 
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
     def rollout_round(self, inputs: list[dict[str, Any]], G: int, metrics: dict[str, list[float]]) -> Rollout:

@@ -223,6 +223,7 @@ def build_models(
     disable_dropout: bool = True,
     model_init_kwargs: dict | None = None,
     gradient_checkpointing: bool = False,
+    quantization_config=None,
 ):
     """The policy (PEFT-wrapped when `peft_config`), the reference model and the (left-padding) tokenizer.
 
@@ -231,7 +232,7 @@ def build_models(
     copy of its adapter (`peft_utils.add_reference_adapter`), so no second copy of the model is built.
     A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
     """
-    kwargs = {"dtype": "auto", **(model_init_kwargs or {})}
+    kwargs = with_quantization({"dtype": "auto", **(model_init_kwargs or {})}, quantization_config, model)
     model_id = model if isinstance(model, str) else None
     if isinstance(model, str):
         model = load_model(model, **kwargs)
@@ -242,18 +243,8 @@ def build_models(
         raise TypeError(
             f"model must be a model id/path, a PreTrainedModel or a peft.PeftModel, got {type(model).__name__}."
         )
-    if processing_class is None:
-        source = model_id or model.config._name_or_path
-        if not source:
-            raise ValueError(
-                "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer as "
-                "processing_class."
-            )
-        processing_class = load_tokenizer(source, trust_remote_code=kwargs.get("trust_remote_code", False))
-    check_processing_class(processing_class)
-    processing_class.padding_side = "left"
-    if processing_class.pad_token is None:
-        processing_class.pad_token = processing_class.eos_token
+    source = model_id or model.config._name_or_path
+    processing_class = left_padding_tokenizer(processing_class, source, kwargs.get("trust_remote_code", False))
     if disable_dropout:
         turn_off_dropout(model)
 
@@ -272,7 +263,63 @@ def build_models(
         model = get_peft_model(model, peft_config)
         if gradient_checkpointing:
             model.enable_input_require_grads()
+        if is_quantized(model):
+            cast_adapters_for_qlora(model)
     return model, ref_model, processing_class
+
+
+def left_padding_tokenizer(processing_class, source: str | None, trust_remote_code: bool):
+    """`processing_class`, or the tokenizer loaded from `source` (the model's path) when None, checked, padding on
+    the left, with a pad token (its EOS when it has none)."""
+    if processing_class is None:
+        if not source:
+            raise ValueError(
+                "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer as "
+                "processing_class."
+            )
+        processing_class = load_tokenizer(source, trust_remote_code=trust_remote_code)
+    check_processing_class(processing_class)
+    processing_class.padding_side = "left"
+    if processing_class.pad_token is None:
+        processing_class.pad_token = processing_class.eos_token
+    return processing_class
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the model under a PEFT wrapper) was loaded in 4 or 8 bits (bitsandbytes)."""
+    base = base_model(model)
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+def with_quantization(kwargs: dict[str, Any], quantization_config, model) -> dict[str, Any]:
+    """The `from_pretrained` keyword arguments with the trainer's `quantization_config` (QLoRA: a
+    `BitsAndBytesConfig`), as TRL adds it; ignored, with a warning, for a model that is already built."""
+    if quantization_config is None:
+        return kwargs
+    if not isinstance(model, str):
+        logger.warning("quantization_config is ignored: the model is already built (load it quantized yourself).")
+        return kwargs
+    if "quantization_config" in kwargs:
+        raise ValueError(
+            "quantization_config is set both as a trainer argument and in model_init_kwargs: set it in one place "
+            "(the trainer argument, as TRL recommends)."
+        )
+    if getattr(quantization_config, "quant_method", None) == "bitsandbytes":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ImportError(
+                "quantization_config is a BitsAndBytesConfig (QLoRA), which needs the bitsandbytes package: "
+                "`pip install bitsandbytes` (4- and 8-bit layers need a GPU, or bitsandbytes' CPU backend), or pass "
+                "quantization_config=None and train in full precision."
+            )
+    return {**kwargs, "quantization_config": quantization_config}
+
+
+def cast_adapters_for_qlora(model: torch.nn.Module) -> None:
+    """QLoRA (Dettmers et al., 2023, section 3): the trainable adapter weights of a quantized model in bfloat16, as
+    TRL casts them, except DoRA's magnitude vectors, whose small updates bf16 would round away."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
 
 
 class FP32LMHead(torch.nn.Linear):

@@ -30,7 +30,7 @@ from transformers.trainer_utils import set_seed
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
 from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfiniteUpdates, StopTogether, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
-from grpo_hf.completion_log import write_completions
+from grpo_hf.completion_log import CompletionLog
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
@@ -71,7 +71,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             entries load the reward model's own).
         peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
             model is then the same model with its adapters disabled, not a second copy.
-        callbacks, optimizers: as for `transformers.Trainer`.
+        callbacks, optimizers: as for `transformers.Trainer`. quantization_config: TRL's (`models.with_quantization`).
         rollout_func: TRL's `rollout_func(prompts, trainer) -> dict` with `prompt_ids`, `completion_ids` and
             `logprobs` (one list per prompt row) and extra fields for the reward functions: it replaces the
             rollout engine (`grpo_hf.rollout.custom`).
@@ -99,7 +99,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        validation.check_not_yet_supported(quantization=quantization_config, tools=tools, env=environment_factory)
+        validation.check_not_yet_supported(tools=tools, environment_factory=environment_factory)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
@@ -111,6 +111,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             disable_dropout=args.disable_dropout,
             model_init_kwargs=args.model_load_kwargs(),
             gradient_checkpointing=args.gradient_checkpointing,
+            quantization_config=quantization_config,  # QLoRA: loaded quantized, adapters bf16 (TRL)
         )
         validation.check_policy_model(model, processing_class, peft_config)
         max_positions = validation.model_max_positions(model)
@@ -151,6 +152,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         self._metrics = Metrics()
+        self.completion_log = CompletionLog(args)  # log_completions: TRL's files, the table, trackers, the Hub
         self.guard = NonfiniteGuard(self.accelerator, args.on_nonfinite, self.reward_func_names, self.reward_weights)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self.logps = LogprobPath(
@@ -412,12 +414,10 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
             tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
-        if mode == "train" and self.args.log_completions and self.experience.completion_rows:
-            rows, self.experience.completion_rows = self.experience.completion_rows, []
-            if self.accelerator.is_main_process:
-                write_completions(
-                    rows, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
-                )
+        if self.args.log_completions and (rows := self.experience.completion_rows[mode]):
+            self.experience.completion_rows[mode] = []
+            if self.accelerator.is_main_process:  # TRL's files, the printed table, trackers, the Hub
+                self.completion_log.write(rows, self.state.global_step, mode)
         super().log(logs, start_time)
 
     # ---- checkpoints and resume: `checkpoint.AtomicCheckpoints`, with this run state ---------------------------

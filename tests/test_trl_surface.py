@@ -97,3 +97,84 @@ def test_use_liger_kernel_applies_layer_kernels_only_or_says_what_is_missing(tmp
     )
     args = GRPOConfig(output_dir=str(tmp_path), use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
     assert args.liger_kernel_config == {"rms_norm": True, "fused_linear_cross_entropy": False}
+
+
+def test_log_completions_writes_trls_files_in_training_and_evaluation(tmp_path, tokenizer, monkeypatch):
+    """TRL's per-step parquet files (columns step, prompt, completion, one per reward function, advantage) beside
+    completions.jsonl, for training and evaluation; the tracker's table has one row per prompt with
+    log_unique_prompts; log_completions_hub_repo uploads each file to a Hub dataset (a stand-in API here)."""
+    import sys
+    import types
+
+    import pandas as pd
+
+    logged, uploads = [], []
+
+    class StandInApi:
+        def create_repo(self, repo_id, **kwargs):
+            uploads.append(("create", repo_id, kwargs["repo_type"]))
+
+        def upload_file(self, path_or_fileobj, path_in_repo, repo_id, repo_type, run_as_future):
+            uploads.append((path_in_repo, repo_id, repo_type, pd.read_parquet(path_or_fileobj).shape))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", StandInApi)
+    args = make_args(
+        tmp_path, max_steps=2, log_completions=True, log_unique_prompts=True, log_completions_hub_repo="me/logs"
+    )
+    args.eval_strategy, args.eval_steps = "steps", 2
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer), id_sum_reward, args, make_dataset(), make_dataset(2), processing_class=tokenizer
+    )
+    # a running wandb, as its callback would have imported and started it (not installed here)
+    monkeypatch.setitem(
+        sys.modules, "wandb", types.SimpleNamespace(run=1, Table=lambda dataframe: dataframe, log=logged.append)
+    )
+    args.report_to = ["wandb"]
+    trainer.train()
+    files = sorted(p.name for p in (tmp_path / "completions").iterdir())
+    assert files == ["completions_00001.parquet", "completions_00002.parquet", "eval_completions_00002.parquet"]
+    table = pd.read_parquet(tmp_path / "completions" / "completions_00001.parquet")
+    assert list(table.columns) == ["step", "prompt", "completion", "id_sum_reward", "advantage"] and len(table) == 4
+    assert len(pd.read_parquet(tmp_path / "completions" / "eval_completions_00002.parquet")) == 8  # 2 prompts x 4
+    assert [len(entry["completions"]) for entry in logged if "completions" in entry] == [1, 1]  # one prompt a step
+    assert [len(entry["eval/completions"]) for entry in logged if "eval/completions" in entry] == [2]
+    assert uploads[0] == ("create", "me/logs", "dataset")
+    assert [u[0] for u in uploads[1:]] == [f"completions/{name}" for name in files[:2] + files[2:]]
+
+
+def test_quantization_config_loads_the_model_quantized_or_says_what_is_missing(tmp_path, tokenizer, monkeypatch):
+    """TRL's `quantization_config` (QLoRA): added to the string model's from_pretrained arguments (here bitsandbytes
+    is missing: a clear error), refused when model_init_kwargs has one too, ignored for a built model; a quantized
+    model's adapters are trained in bf16, DoRA's magnitude vector excepted."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    from grpo_hf import models
+
+    path = tmp_path / "tiny"
+    build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    qlora = BitsAndBytesConfig(load_in_4bit=True)
+    args = make_args(tmp_path / "out", max_steps=1)
+    with pytest.raises(ImportError, match="needs the bitsandbytes package"):
+        GRPOTrainer(str(path), id_sum_reward, args, make_dataset(), quantization_config=qlora)
+    both = make_args(tmp_path / "out", max_steps=1, model_init_kwargs={"quantization_config": qlora})
+    with pytest.raises(ValueError, match="set both as a trainer argument and in model_init_kwargs"):
+        GRPOTrainer(str(path), id_sum_reward, both, make_dataset(), quantization_config=qlora)
+    seen = {}
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())  # bitsandbytes "installed"
+    monkeypatch.setattr(
+        models, "load_model", lambda name, **kwargs: seen.update(kwargs) or build_tiny_model(tokenizer)
+    )
+    models.build_models(str(path), tokenizer, with_reference=False, quantization_config=qlora)
+    assert seen["quantization_config"] is qlora
+    monkeypatch.undo()
+    model = build_tiny_model(tokenizer)
+    model.is_loaded_in_4bit = True  # as bitsandbytes leaves it
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    policy, _, _ = models.build_models(model, tokenizer, peft_config, with_reference=False, quantization_config=qlora)
+    trainable = {n: p.dtype for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(
+        dtype == (torch.float32 if "lora_magnitude_vector" in n else torch.bfloat16) for n, dtype in trainable.items()
+    )
+    assert any("lora_magnitude_vector" in n for n in trainable)
