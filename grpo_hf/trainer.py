@@ -118,7 +118,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
         streams.configure_args(args, train_dataset, eval_dataset)  # before Trainer builds the accelerator
 
-        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
+        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.model_load_kwargs())
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
@@ -199,15 +199,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         )
 
     def _place_models(self, ref_model):
-        """Reward models to the device; the reference model prepared like the policy (`parallel.prepare_reference`)
-        and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
+        """Reward models and the reference model prepared like the policy (`parallel.prepare_reference`); the
+        reference returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, ref_model):
                 if model is not None:
                     cast_lm_head_to_fp32(model)
-        for func in self.reward_funcs:
+        for func in self.reward_funcs:  # placed as the reference is: partitioned under DeepSpeed / FSDP (TRL)
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
-                func.model.to(self.accelerator.device)
+                func.model = prepare_reference(func.model, self.accelerator)
         return None if ref_model is None else prepare_reference(ref_model, self.accelerator)
 
     @property

@@ -178,3 +178,22 @@ def test_quantization_config_loads_the_model_quantized_or_says_what_is_missing(t
         dtype == (torch.float32 if "lora_magnitude_vector" in n else torch.bfloat16) for n, dtype in trainable.items()
     )
     assert any("lora_magnitude_vector" in n for n in trainable)
+
+
+def test_a_reward_model_path_loads_with_model_init_kwargs(tmp_path, tokenizer):
+    """As TRL: a reward model given as a path is loaded with the config's model_init_kwargs (here its dtype), and
+    placed by accelerate like the reference."""
+    from test_reward_models import build_model as build_reward_model
+    from test_reward_models import build_tokenizer as build_reward_tokenizer
+
+    reward_dir = tmp_path / "reward"
+    reward_tokenizer = build_reward_tokenizer()
+    build_reward_model(len(reward_tokenizer)).save_pretrained(reward_dir)
+    reward_tokenizer.save_pretrained(reward_dir)
+    args = make_args(tmp_path / "out", max_steps=1, beta=0.0, model_init_kwargs={"dtype": "bfloat16"})
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer), [id_sum_reward, str(reward_dir)], args, make_dataset(), processing_class=tokenizer
+    )
+    assert trainer.reward_funcs[1].model.dtype == torch.bfloat16
+    trainer.train()
+    assert "rewards/reward/mean" in train_logs(trainer)[0]
