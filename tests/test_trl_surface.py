@@ -197,3 +197,43 @@ def test_a_reward_model_path_loads_with_model_init_kwargs(tmp_path, tokenizer):
     assert trainer.reward_funcs[1].model.dtype == torch.bfloat16
     trainer.train()
     assert "rewards/reward/mean" in train_logs(trainer)[0]
+
+
+def test_vespo_folds_the_token_level_vllm_correction_into_its_weight():
+    """loss_type='vespo' with vLLM's per-token importance weight (TRL allows token_* modes): log w_i gains
+    sum_t m clamp(log weight, log 1e-8, 20), and the weight does not multiply the loss; checked against loops."""
+    import math
+
+    from grpo_hf import GRPOConfig
+    from grpo_hf.core import grpo_loss
+
+    torch.manual_seed(0)
+    N, T = 4, 5
+    logps = -torch.rand(N, T, dtype=torch.float64) * 2
+    old = logps + 0.1 * torch.randn(N, T, dtype=torch.float64)
+    weight = torch.exp(0.2 * torch.randn(N, T, dtype=torch.float64))
+    weight[0, 1] = 0.0  # token_mask: a masked token (log 0 -> log 1e-8)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2], dtype=torch.float64)
+    expected = 0.0
+    for i in range(N):
+        log_w = sum(max(-20.0, min(20.0, float(logps[i, t] - old[i, t]))) for t in range(T) if mask[i, t])
+        log_w += sum(
+            max(math.log(1e-8), min(20.0, math.log(float(weight[i, t])) if weight[i, t] > 0 else -1e9))
+            for t in range(T)
+            if mask[i, t]
+        )
+        log_w = max(math.log(1e-8), min(20.0, log_w))
+        k, lam = (2.0, 3.0) if advantages[i] >= 0 else (3.0, 2.0)
+        phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        expected += sum(phi * float(advantages[i]) * float(logps[i, t]) for t in range(T) if mask[i, t])
+    expected = -expected / float(mask.sum())
+    loss, _ = grpo_loss(logps, old, None, advantages, mask, loss_type="vespo", beta=0.0, sampling_weight=weight)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    unweighted, _ = grpo_loss(logps, old, None, advantages, mask, loss_type="vespo", beta=0.0)
+    assert abs(unweighted.item() - expected) > 1e-6  # the weight did change the loss
+    GRPOConfig(
+        output_dir="unused", use_cpu=True, use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask"
+    )
+    with pytest.raises(ValueError, match="use 'token_truncate' or 'token_mask'"):
+        GRPOConfig(output_dir="unused", use_cpu=True, use_vllm=True, loss_type="vespo")
