@@ -87,6 +87,7 @@ class VLLMServer:
                         "<the policy's path> --host 127.0.0.1 --port <port>`, and point vllm_server_base_url at it."
                     ) from error
                 time.sleep(1.0)
+        self.refuse_trl_server()
         self.check_version(self.request("/version")["version"])
         try:
             self.request("/server_info")
@@ -96,6 +97,22 @@ class VLLMServer:
                 "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` does)."
             ) from error
         return self.request("/v1/models")["data"][0]["id"]
+
+    def refuse_trl_server(self) -> None:
+        """TRL's own server (`trl vllm-serve`, recognised by its `/get_world_size/` route) takes the weights through
+        an NCCL process group that the trainer joins on `vllm_group_port`: CUDA on both sides, and TRL's client. It is
+        refused with what to start instead: grpo_hf's server, whose weights travel as files (CPU and GPU)."""
+        try:
+            urllib.request.urlopen(self.url + "/get_world_size/", timeout=5).close()
+        except (urllib.error.URLError, OSError):
+            return  # not TRL's server
+        raise RuntimeError(
+            f"The server at {self.url} is TRL's `trl vllm-serve`, whose weight sync is an NCCL process group (joined "
+            f"on vllm_group_port={self.args.vllm_group_port}) that needs CUDA on both sides and TRL's own trainer; "
+            "grpo_hf does not drive it. Start grpo_hf's server instead, `python -m grpo_hf.vllm_serve --model <the "
+            "policy's path> --host 127.0.0.1 --port <port>` (vLLM's OpenAI server; the weights go as files, on CPU "
+            "or GPU), and point vllm_server_base_url at it."
+        )
 
     def check_version(self, version: str) -> None:
         numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
