@@ -76,9 +76,9 @@ class VLLMArguments:
     vllm_group_port: int = field(
         default=51216,
         metadata={
-            "help": "Port of the weight-sync process group of TRL's own server (`trl vllm-serve`), which the trainer "
-            "joins when vllm_mode='server' and that server answers (grpo_hf's `python -m grpo_hf.vllm_serve` takes "
-            "the weights as files and does not use it)."
+            "help": "TRL's port for the NCCL weight-transfer group of its `trl vllm-serve` (CUDA only). Accepted and "
+            "unused: grpo_hf's server mode pushes the weights as files, to `trl vllm-serve` as to `python -m "
+            "grpo_hf.vllm_serve`."
         },
     )
     vllm_structured_outputs_regex: str | None = field(

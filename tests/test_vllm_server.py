@@ -112,18 +112,17 @@ def test_no_server_fails_within_the_timeout_and_says_what_to_check(tmp_path):
 
 
 class _Fake(http.server.BaseHTTPRequestHandler):
-    """Answers /health; /version with `version`; /server_info with 404 (no dev mode) or 200; /get_world_size/ only
-    as TRL's `trl vllm-serve` (`trl`); 404 for other routes; sleeps on completions."""
+    """Answers /health; /version with `version`; /server_info with 404 (no dev mode) or 200, with a weight-transfer
+    engine as TRL's `trl vllm-serve` starts vLLM (`trl`); 404 for other routes; sleeps on completions."""
 
     version, dev_mode, trl = "0.32.0", True, False
 
     def do_GET(self):  # noqa: N802
         routes = {"/health": {}, "/version": {"version": self.version}, "/v1/models": {"data": [{"id": "m"}]}}
         if self.dev_mode:
-            routes["/server_info"] = {}
-        if self.trl:
-            routes["/get_world_size/"] = {"world_size": 1}
-        self._send(200, routes[self.path]) if self.path in routes else self._send(404, {"detail": "Not Found"})
+            routes["/server_info"] = {"weight_transfer_config": {"backend": "nccl"} if self.trl else None}
+        path = self.path.split("?")[0]
+        self._send(200, routes[path]) if path in routes else self._send(404, {"detail": "Not Found"})
 
     def do_POST(self):  # noqa: N802
         time.sleep(5)  # longer than the client's timeout
@@ -162,12 +161,20 @@ def test_an_old_vllm_and_a_server_without_dev_routes_are_refused(tmp_path, fake_
         VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
 
 
-def test_trls_own_server_is_refused_with_what_to_start_instead(tmp_path, fake_server):
-    """TRL's `trl vllm-serve` syncs weights over NCCL (vllm_group_port): refused, naming grpo_hf's server."""
+def test_trls_own_server_is_used_with_weights_as_files(tmp_path, fake_server, caplog):
+    """TRL's `trl vllm-serve` is vLLM's server with an NCCL weight-transfer engine (on vllm_group_port): grpo_hf
+    connects to it as to its own and says that the weights go as files, not through that group."""
     handler, url = fake_server
     handler.trl = True
-    with pytest.raises(RuntimeError, match="is TRL's `trl vllm-serve`.*vllm_group_port=51216.*grpo_hf.vllm_serve"):
+    with caplog.at_level("INFO", logger="grpo_hf"):
+        client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=5, vllm_group_port=51299), None, [2])
+    assert client.model_id == "m"
+    assert "TRL's `trl vllm-serve`" in caplog.text and "vllm_group_port=51299" in caplog.text
+    handler.trl = False
+    caplog.clear()
+    with caplog.at_level("INFO", logger="grpo_hf"):
         VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+    assert "trl vllm-serve" not in caplog.text
 
 
 def test_a_request_that_times_out_says_so(tmp_path, fake_server):

@@ -87,32 +87,22 @@ class VLLMServer:
                         "<the policy's path> --host 127.0.0.1 --port <port>`, and point vllm_server_base_url at it."
                     ) from error
                 time.sleep(1.0)
-        self.refuse_trl_server()
         self.check_version(self.request("/version")["version"])
         try:
-            self.request("/server_info")
+            info = self.request("/server_info?config_format=json")
         except RuntimeError as error:
             raise RuntimeError(
                 f"The vLLM server at {self.url} has no development routes, which take the weights: start it with "
-                "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` does)."
+                "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` and `trl vllm-serve` do)."
             ) from error
+        if isinstance(info, dict) and info.get("weight_transfer_config"):  # TRL's `trl vllm-serve`
+            logger.info(
+                "The vLLM server has a weight-transfer engine (TRL's `trl vllm-serve`): grpo_hf pushes the weights "
+                "as files all the same (vllm_server_weights_dir), not through its NCCL group on vllm_group_port=%d, "
+                "which needs CUDA on both sides.",
+                self.args.vllm_group_port,
+            )
         return self.request("/v1/models")["data"][0]["id"]
-
-    def refuse_trl_server(self) -> None:
-        """TRL's own server (`trl vllm-serve`, recognised by its `/get_world_size/` route) takes the weights through
-        an NCCL process group that the trainer joins on `vllm_group_port`: CUDA on both sides, and TRL's client. It is
-        refused with what to start instead: grpo_hf's server, whose weights travel as files (CPU and GPU)."""
-        try:
-            urllib.request.urlopen(self.url + "/get_world_size/", timeout=5).close()
-        except (urllib.error.URLError, OSError):
-            return  # not TRL's server
-        raise RuntimeError(
-            f"The server at {self.url} is TRL's `trl vllm-serve`, whose weight sync is an NCCL process group (joined "
-            f"on vllm_group_port={self.args.vllm_group_port}) that needs CUDA on both sides and TRL's own trainer; "
-            "grpo_hf does not drive it. Start grpo_hf's server instead, `python -m grpo_hf.vllm_serve --model <the "
-            "policy's path> --host 127.0.0.1 --port <port>` (vLLM's OpenAI server; the weights go as files, on CPU "
-            "or GPU), and point vllm_server_base_url at it."
-        )
 
     def check_version(self, version: str) -> None:
         numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
