@@ -141,7 +141,7 @@ def test_sampling_follows_the_models_distribution(trained, tokenizer):
 
 def _sharing(trainer, engine):
     """`trainer` with the module's engine (one vLLM start per module); it pushes `trainer`'s weights next."""
-    trainer.experience.engine = engine
+    trainer.experience.sampler.engine = engine
     engine.on_weights_updated(trainer.model)
     return trainer
 
