@@ -177,6 +177,3 @@ class EpisodeRunner:
             tool_calls=tool_calls,
             tool_failures=tool_failures,
         )
-
-    def close(self) -> None:
-        self.caller.close()

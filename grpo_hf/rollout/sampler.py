@@ -246,9 +246,7 @@ class Sampler:
             yield self.accelerator.unwrap_model(wrapped)
 
     def close(self) -> None:
-        """Release the engine and the tool workers. Idempotent."""
-        if self.episodes is not None:
-            self.episodes.close()
+        """Release the engine (vLLM: its engine and process groups). Idempotent."""
         if self.engine is not None:
             self.engine.close()
 

@@ -2,11 +2,12 @@
 
 A tool is a plain function, sync or `async def`, described to the model by the chat template (`apply_chat_template(
 tools=[...])` builds each schema from the type hints and the docstring). The model asks for one or more calls in its
-turn; `ToolCaller` runs every call of every episode at once (sync ones in a thread pool, async ones on one event loop
-in a daemon thread), each with `timeout` seconds (None: no limit), and gives back one tool message per call. A call
-that raises, names an unknown tool, passes arguments the function does not take, or runs out of time becomes the tool
-message `{"error": "..."}` and counts as a failure: it never stops training. A timed-out sync call cannot be killed:
-its thread runs on in the background and its result is dropped.
+turn; `ToolCaller` runs every call of every episode at once (each sync call in a daemon thread of its own, async ones
+on the process's event loop, `grpo_hf.background`), each with `timeout` seconds (None: no limit), and gives back one
+tool message per call. A call that raises, names an unknown tool, passes arguments the function does not take, or
+runs out of time becomes the tool message `{"error": "..."}` and counts as a failure: it never stops training. A
+timed-out sync call cannot be killed: its thread runs on, its result dropped; being a daemon thread of its own, it
+holds up neither later calls nor the interpreter's exit.
 
 Parsing the model's turn and the chat template's rules for tools come from TRL (`trl.chat_template_utils`): a template
 must render a whole tool exchange (`supports_tool_calling`), the tokenizer needs a response template to parse tool
@@ -34,6 +35,8 @@ from trl.chat_template_utils import (
     parse_response,
     supports_tool_calling,
 )
+
+from grpo_hf.background import event_loop
 
 __all__ = ["ToolCaller", "ToolCalls", "parse_turn", "tool_chat_template", "tool_reply_ids"]
 
@@ -128,14 +131,12 @@ class ToolCalls:
 
 
 class ToolCaller:
-    """Runs tool calls concurrently: sync tools in a thread pool, async ones on an event loop in a daemon thread."""
+    """Runs tool calls concurrently: each sync call in a daemon thread, async ones on the tools' event loop."""
 
-    def __init__(self, timeout: float | None = None, max_workers: int = 32):
+    def __init__(self, timeout: float | None = None):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"tool_timeout={timeout} must be > 0 seconds, or None for no limit.")
         self.timeout = timeout
-        self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpo_hf-tool")
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def submit(self, tool_calls: list[dict[str, Any]], tools: dict[str, Callable]) -> ToolCalls:
         """Start every call of `tool_calls` (parsed from one turn) with the episode's `tools` (name -> function)."""
@@ -164,14 +165,11 @@ class ToolCaller:
         except TypeError as error:
             return None, f"wrong arguments for {getattr(tool, '__name__', 'tool')}: {error}"
         if inspect.iscoroutinefunction(tool):
-            return asyncio.run_coroutine_threadsafe(tool(**arguments), self._event_loop()), None
-        return self._pool.submit(tool, **arguments), None
-
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None or self._loop.is_closed():
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="grpo_hf-tool-loop", daemon=True).start()
-        return self._loop
+            return asyncio.run_coroutine_threadsafe(tool(**arguments), event_loop()), None
+        future: futures.Future = futures.Future()
+        future.set_running_or_notify_cancel()
+        threading.Thread(target=_run, args=(future, tool, arguments), name="grpo_hf-tool", daemon=True).start()
+        return future, None
 
     def wait_any(self, in_flight: list[ToolCalls]) -> None:
         """Block until at least one of `in_flight` is done (all its calls returned, or its deadline passed)."""
@@ -184,9 +182,14 @@ class ToolCaller:
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
             futures.wait(waiting, timeout=timeout, return_when=futures.FIRST_COMPLETED)
 
-    def close(self) -> None:
-        """Stop the pool and the loop (calls still running are not waited for). Idempotent."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+
+def _run(future: futures.Future, tool: Callable, arguments: dict[str, Any]) -> None:
+    """Call `tool` and settle `future` with what it returned or raised (a dropped, timed-out call: nothing to do)."""
+    try:
+        result = tool(**arguments)
+    except BaseException as error:  # noqa: B036  (whatever a tool raises is its reply, never the trainer's crash)
+        if not future.cancelled():
+            future.set_exception(error)
+        return
+    if not future.cancelled():
+        future.set_result(result)
