@@ -89,8 +89,11 @@ class CompletionLog:
         self.hub_repo = args.log_completions_hub_repo
         self.api = None  # a `huggingface_hub.HfApi`, made when the first file is pushed
 
-    def write(self, rows: list[dict[str, Any]], step: int, mode: str = "train") -> None:
-        """`rows` of the latest rollout (training) or of the evaluation (mode "eval", files `eval_completions_*`)."""
+    def write(self, rows: list[dict[str, Any]], step: int, mode: str = "train", main: bool = True) -> None:
+        """`rows` of the latest rollout (training) or of the evaluation (mode "eval", files `eval_completions_*`);
+        only on the main process (`main`)."""
+        if not main:
+            return
         write_completions(rows, self.args.output_dir, step, self.args.num_completions_to_print)
         table = completions_table(rows)
         os.makedirs(self.folder, exist_ok=True)

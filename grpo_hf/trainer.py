@@ -33,7 +33,7 @@ from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import CompletionLog
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import off_policy_mask
-from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
+from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
@@ -41,9 +41,10 @@ from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_c
 from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.rewards import reward_func_name
-from grpo_hf.rewards.models import build_reward_funcs, reward_processing_classes_of, reward_weights
+from grpo_hf.rewards.models import reward_processing_classes_of, reward_sources
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
+from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
+from grpo_hf.tooling import train_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,28 +54,20 @@ RewardFunc = Callable[..., list] | str | PreTrainedModel
 class GRPOTrainer(AtomicCheckpoints, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
-    Args:
-        model: a Hub id or local path (loaded with `AutoModelForCausalLM`, `args.model_init_kwargs`),
-            or a `PreTrainedModel`.
-        reward_funcs: one or a list of: a callable with the TRL reward signature
-            `fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]`,
-            a registry name (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a
-            sequence-classification `PreTrainedModel`, or a path/Hub id of one.
+    Args (TRL 1.16's, in TRL's order; docs/design.md, "The public contract"):
+        model: a Hub id or local path (`AutoModelForCausalLM`, `args.model_init_kwargs`), a `PreTrainedModel`, or a
+            `PeftModel`.
+        reward_funcs: one or a list of: a callable with TRL's reward signature `fn(prompts, completions,
+            completion_ids, trainer_state, **columns) -> list[float | None]`, a registry name
+            (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a reward model or its path / Hub id.
         args: a `GRPOConfig`.
-        train_dataset: a `datasets.Dataset` with a `prompt` column (text, or a list of chat
-            messages); every other column reaches the reward functions as a keyword argument. A stream
-            (`datasets.IterableDataset`) works too, with `max_steps` set (`grpo_hf.streams`).
-        eval_dataset: same format, or a dict of them; evaluated by sampling `num_generations_eval` completions per
-            prompt.
-        processing_class: the tokenizer; loaded from `model` when None.
-        reward_processing_classes: tokenizers for reward models (one per reward function, None
-            entries load the reward model's own).
-        peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
-            model is then the same model with its adapters disabled, not a second copy.
-        callbacks, optimizers: as for `transformers.Trainer`. quantization_config: TRL's (`models.with_quantization`).
-        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict` with `prompt_ids`, `completion_ids` and
-            `logprobs` (one list per prompt row) and extra fields for the reward functions: it replaces the
-            rollout engine (`grpo_hf.rollout.custom`).
+        train_dataset, eval_dataset: `datasets.Dataset`s (or streams, `grpo_hf.streams`) with a `prompt` column,
+            text or chat messages; every other column reaches the reward functions. eval_dataset may be a dict.
+        processing_class, reward_processing_classes: the tokenizer (None: `model`'s), and one per reward model.
+        callbacks, optimizers: as for `transformers.Trainer`. peft_config, quantization_config: LoRA / QLoRA (TRL's).
+        tools, environment_factory: functions the model may call in multi-turn episodes; a class (or a dict name ->
+            class) of stateful environments, one per episode, whose methods are tools (docs/tools.md).
+        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict`, which replaces sampling (`rollout.custom`).
     """
 
     _tag_names = ["grpo", "grpo_hf"]
@@ -99,7 +92,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        validation.check_not_yet_supported(tools=tools, environment_factory=environment_factory)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
@@ -114,14 +106,13 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             quantization_config=quantization_config,  # QLoRA: loaded quantized, adapters bf16 (TRL)
         )
         validation.check_policy_model(model, processing_class, peft_config)
+        self.agentic = ToolSetup.build(tools, environment_factory, processing_class)  # None: no tools, no environments
+        train_dataset = train_rows(train_dataset, environment_factory, args)
         max_positions = validation.model_max_positions(model)
-        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
+        envs = self.agentic is not None and self.agentic.environments is not None  # their reset() writes prompts
+        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions, envs)
         streams.configure_args(args, train_dataset, eval_dataset)  # before Trainer builds the accelerator
-
-        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.model_load_kwargs())
-        self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
-        self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
+        self._init_rewards(reward_funcs, reward_processing_classes, args, columns)
 
         if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
             checkpoint.check_writable(args.output_dir)
@@ -142,6 +133,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self._init_state(args, rollout_func)
 
     # ---- construction helpers --------------------------------------------------------------------------------
+    def _init_rewards(self, reward_funcs, reward_processing_classes, args: GRPOConfig, columns: dict) -> None:
+        """The reward functions, their names and weights [R] (`rewards.models.reward_sources`): `reward_funcs`, then
+        the reward of each environment that owns one."""
+        owned, added = (self.agentic.reward_funcs(), ["environments"]) if self.agentic is not None else ([], [])
+        funcs, names, weights = reward_sources(reward_funcs, reward_processing_classes, args, owned)
+        self.reward_funcs, self.reward_func_names, self.reward_weights = funcs, names, weights
+        columns = {name: [*dataset_columns, *added] for name, dataset_columns in columns.items()}
+        validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
+
     def _init_state(self, args: GRPOConfig, rollout_func=None) -> None:
         """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
         the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
@@ -180,21 +180,22 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     def _experience_maker(self, rollout_func) -> ExperienceMaker:
         """The rollouts, given what they use: the trainer's own state is read through these functions only."""
-        zero3 = is_zero3(self.accelerator)
+        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+        generation = Generation(self.generation_config, self.eos_token_ids, self.chat_template_kwargs, sharded)
+        bound = None if rollout_func is None else (lambda prompts: rollout_func(prompts, self))
+        wrapped = lambda: self.model_wrapped  # noqa: E731
+        sampler = Sampler(self.args, self.accelerator, self.processing_class, generation, wrapped, bound, self.agentic)
         return ExperienceMaker(
             self.args,
             self.accelerator,
             self.processing_class,
             rewards=RewardSet(self.reward_funcs, self.reward_func_names, self.reward_weights),
-            models=Models(policy=lambda: self.model, wrapped=lambda: self.model_wrapped, reference=self.ref_model),
+            models=Models(policy=lambda: self.model, reference=self.ref_model),
             logps=self.logps,
             guard=self.guard,
             metrics=self._metrics,
             state=lambda: self.state,
-            generation=Generation(
-                self.generation_config, self.eos_token_ids, self.chat_template_kwargs, self.is_fsdp_enabled or zero3
-            ),
-            rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
+            sampler=sampler,
             train_rows=lambda: self._remove_unused_columns(self.train_dataset, description="training"),
         )
 
@@ -415,9 +416,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
             tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
         if self.args.log_completions and (rows := self.experience.completion_rows[mode]):
-            self.experience.completion_rows[mode] = []
-            if self.accelerator.is_main_process:  # TRL's files, the printed table, trackers, the Hub
-                self.completion_log.write(rows, self.state.global_step, mode)
+            self.experience.completion_rows[mode] = []  # the main process writes them: files, table, trackers, Hub
+            self.completion_log.write(rows, self.state.global_step, mode, main=self.accelerator.is_main_process)
         super().log(logs, start_time)
 
     # ---- checkpoints and resume: `checkpoint.AtomicCheckpoints`, with this run state ---------------------------
