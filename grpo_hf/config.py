@@ -405,8 +405,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         default=True,
         metadata={
             "help": "DeepSpeed ZeRO-3: gather the whole model once per rollout before sampling (fast, needs the "
-            "whole model's memory on each process). False: sample with the sharded model, each layer gathered as "
-            "it runs (slow, for models that do not fit one device); not with vLLM."
+            "whole model's memory on each process). False: sample with the partitioned model through the "
+            "'generate' engine (whose processes decode in step), each layer gathered as it runs: slow, for models "
+            "that do not fit one device. vLLM's weight push gathers the weights either way."
         },
     )
     logprob_chunk_size: int | None = field(

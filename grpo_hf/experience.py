@@ -64,7 +64,7 @@ class Models:
     """The models a rollout uses, as functions: Trainer re-wraps the policy when training starts (DDP, FSDP)."""
 
     policy: Callable[[], nn.Module]  # the policy as Trainer holds it (`trainer.model`)
-    reference: nn.Module | None  # the reference model; None under PEFT (the policy with adapters off) or beta = 0
+    reference: nn.Module | None  # the reference model; None under PEFT (`peft_utils.reference_adapter`) or beta = 0
 
 
 class ExperienceMaker:
@@ -145,7 +145,8 @@ class ExperienceMaker:
         return split_into_micro_batches(rollout.as_batch(), size, self.pad_multiple(), self.tokenizer.pad_token_id)
 
     def reference_logps(self, batch: Sequences) -> Tensor | None:
-        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with adapters off."""
+        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with its frozen copy of
+        a given adapter, or with adapters off (`peft_utils.reference_adapter`)."""
         if self.args.beta == 0.0:
             return None
         if self.models.reference is not None:
