@@ -244,7 +244,7 @@ def zero3_without_gathering(out_dir: Path) -> dict:
     were still partitioned while each rollout sampled, and the run's history."""
     LAYOUTS["zero3_no_gather"] = {**zero(3), "ds3_gather_for_generation": False}
     trainer = build_trainer(out_dir / "zero3-no-gather", **CASES["beta0"], **LAYOUTS["zero3_no_gather"])
-    partitioned, original = [], trainer.experience.model_for_generation
+    partitioned, original = [], trainer.experience.sampler.model_for_generation
 
     @contextmanager
     def recording():
@@ -252,7 +252,7 @@ def zero3_without_gathering(out_dir: Path) -> dict:
             partitioned.append(all(is_sharded(p) for p in model.parameters()))
             yield model
 
-    trainer.experience.model_for_generation = recording
+    trainer.experience.sampler.model_for_generation = recording
     trainer.train()
     return {**history(trainer), "partitioned_while_sampling": partitioned, "engine": trainer.rollout.name}
 
