@@ -257,21 +257,22 @@ def test_continuous_batching_engine_decodes_what_generate_decodes(tokenizer):
         args = GRPOConfig(output_dir="unused", use_transformers_paged=True, use_cpu=True, report_to="none")
     assert args.rollout_engine == "continuous_batching"
     engine, _ = make_engine(args.rollout_engine, model, config, [tokenizer.eos_token_id], args=args)
-    assert engine.continuous_batching_config.max_memory_percent == 0.5
-    ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
-    reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
-    reference = reference[:, prompt_ids.size(1) :]
-    assert ids.shape == (4, 6) and mask.sum() > 0
-    torch.testing.assert_close(ids * mask, reference * mask)
+    assert engine.continuous_batching_config.max_memory_percent == 0.5  # TRL's default, not transformers' 0.9
+    # A paged cache of a fixed size: sized from the free memory, it would take half of this machine's.
     custom = GRPOConfig(
         output_dir="unused",
         use_cpu=True,
         report_to="none",
         rollout_engine="continuous_batching",
-        transformers_continuous_batching_config='{"max_memory_percent": 0.2}',
+        transformers_continuous_batching_config='{"num_blocks": 16, "max_batch_tokens": 256}',
     )
     engine, _ = make_engine(custom.rollout_engine, model, config, [tokenizer.eos_token_id], args=custom)
-    assert engine.continuous_batching_config.max_memory_percent == 0.2
+    assert engine.continuous_batching_config.num_blocks == 16
+    ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
+    reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    reference = reference[:, prompt_ids.size(1) :]
+    assert ids.shape == (4, 6) and mask.sum() > 0
+    torch.testing.assert_close(ids * mask, reference * mask)
 
 
 def test_cache_implementation_reaches_generate_and_picks_it(tmp_path, tokenizer):
