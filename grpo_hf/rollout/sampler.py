@@ -177,7 +177,12 @@ class Sampler:
                 completion_ids, completion_mask, _ = engine.generate(model, ids, mask, max_new_tokens=max_new_tokens)
                 return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
 
-            run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
+            if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
+                run = self.episodes.run_joining(
+                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools
+                )
+            else:  # one engine call per round of ready turns
+                run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
         tokens = Sequences(
             prompt_ids, prompt_mask, run.completion_ids, run.completion_mask, context_mask=run.context_mask
         )
