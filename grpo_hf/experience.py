@@ -50,6 +50,8 @@ from grpo_hf.rollout import (
 )
 from grpo_hf.rollout.custom import rollout_from_func
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
+from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
+from grpo_hf.vision import encode_rows, has_images, image_token_ids, is_processor, tokenizer_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,10 @@ class ExperienceMaker:
         rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
         train_rows: Callable[[], Any] | None = None,  # -> the train dataset as the dataloader serves it
     ):
-        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.args, self.accelerator = args, accelerator
+        # A VLM's processor (`processing_class`) tokenizes prompts with their images; its tokenizer does the rest.
+        self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
+        self.num_image_encodings = 0  # prompts whose images were encoded for the log-prob forwards (tests count)
         self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
         self.state, self.generation, self.rollout_func, self.train_rows = state, generation, rollout_func, train_rows
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
@@ -139,6 +144,7 @@ class ExperienceMaker:
             rollout.completion_mask = rollout.completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
             self._warn_if_all_masked(rollout.is_truncated)
         batches = self.split(rollout, args.per_device_train_batch_size)
+        self.encode_images(rollout)
         with torch.no_grad():
             for batch in batches:
                 batch.old_logps = self.logps.no_grad(self.models.policy(), batch) if self.needs_old_logps else None
@@ -155,12 +161,21 @@ class ExperienceMaker:
             return None
         self.set_advantages(rollout, G)
         (batch,) = self.split(rollout, len(rollout))
+        self.encode_images(rollout)
         batch.ref_logps = self.reference_logps(batch)
         return batch
 
     def split(self, rollout: Rollout, size: int) -> list[MicroBatch]:
         """`rollout` in micro-batches of `size` rows, each trimmed and padded once (`pad_to_multiple_of`)."""
         return split_into_micro_batches(rollout.as_batch(), size, self.pad_multiple(), self.tokenizer.pad_token_id)
+
+    def encode_images(self, rollout: Rollout) -> None:
+        """A VLM with a frozen vision side: each prompt's images encoded once for all the forwards of this generation
+        batch (old, reference, policy; every micro-step it serves), its features kept with the rows
+        (`vision.encode_rows`)."""
+        if rollout.image_inputs is not None:
+            with self.accelerator.autocast():
+                self.num_image_encodings += encode_rows(self.models.policy(), rollout.image_inputs)
 
     def reference_logps(self, batch: Sequences) -> Tensor | None:
         """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with adapters off."""
@@ -267,6 +282,9 @@ class ExperienceMaker:
         self.metrics.add_logged(metrics, logs.metrics, accelerator)
         self._record_lengths(metrics, lengths, is_truncated, is_prompt_truncated)
         extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
+        if self.processor is not None and self.args.log_completions and self.args.log_multimodal:
+            for i, row in enumerate(extra):  # log_multimodal: each row's images go to the completions log
+                row["images"] = row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns})
         return Rollout(
             **sampled.tokens(),
             is_truncated=is_truncated,
@@ -302,20 +320,33 @@ class ExperienceMaker:
             )
             columns.update(extra)
             return tokens, is_truncated, None, torch.zeros(len(prompts), dtype=torch.bool)
-        prompt_ids, prompt_mask, is_prompt_truncated = tokenize_prompts(
-            self.tokenizer, prompts, self.args.max_prompt_length, self.generation.chat_template_kwargs
-        )
+        prompt_ids, prompt_mask, is_prompt_truncated, image_inputs = self.tokenize(prompts, columns)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
         with self.model_for_generation() as unwrapped:
             engine = self.engine_for(unwrapped)
-            completion_ids, completion_mask, is_truncated = engine.generate(unwrapped, prompt_ids, prompt_mask)
+            completion_ids, completion_mask, is_truncated = engine.generate(
+                unwrapped, prompt_ids, prompt_mask, **({"images": image_inputs} if image_inputs else {})
+            )
         sampling_logps = getattr(engine, "sampling_logps", None)  # [B, T] the sampler's own (vllm)
         if sampling_logps is not None and sampling_logps.shape == completion_mask.shape:
             sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
         else:
             sampling_logps = None
-        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=image_inputs)
         return tokens, is_truncated, sampling_logps, is_prompt_truncated
+
+    def tokenize(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
+        """prompt_ids, prompt_mask [B, P], is_prompt_truncated [B] and, for a VLM, each row's image inputs (None when
+        no row has images): by the processor with each row's `image`/`images` (`rollout.vision`), else the
+        tokenizer."""
+        settings = (self.args.max_prompt_length, self.generation.chat_template_kwargs)
+        if self.processor is None:
+            return *tokenize_prompts(self.tokenizer, prompts, *settings), None
+        images = [row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))]
+        ids, mask, truncated, image_inputs = tokenize_vision_prompts(self.processor, prompts, images, *settings)
+        on_device = {id(r): {k: v.to(self.accelerator.device) for k, v in r.items()} for r in image_inputs if r}
+        image_inputs = [on_device[id(r)] if r else None for r in image_inputs]  # a group's rows still share one
+        return ids, mask, truncated, (image_inputs if has_images(image_inputs) else None)
 
     def pad_multiple(self) -> int | None:
         """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""
@@ -373,6 +404,7 @@ class ExperienceMaker:
                 autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
                 args=self.args,  # for the engines that take settings from it (vllm)
                 accelerator=self.accelerator,
+                blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
             )
             logger.info(why)
         return self.engine

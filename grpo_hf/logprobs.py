@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 from grpo_hf.peft_utils import base_model, is_peft_model
+from grpo_hf.vision import forward_kwargs, uses_mrope
 
 if TYPE_CHECKING:
     from grpo_hf.rollout.batching import MicroBatch
@@ -167,9 +168,10 @@ def padded_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
-    Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included. The LM head runs only on the
-    T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`, with a
-    gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
+    Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included, and for vision-language models: the
+    batch's `image_inputs` (each row's images, or their cached features) go with it (`grpo_hf.vision`). The LM head
+    runs only on the T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`,
+    with a gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
@@ -178,6 +180,9 @@ def padded_logps(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
+    vision = forward_kwargs(model, input_ids, batch.image_inputs)  # a VLM's rows' images (or their features)
+    if vision and uses_mrope(model):
+        position_ids = None  # 3-D positions (Qwen2-VL): the model numbers a batch with images itself
     T = completion_ids.size(1)
     outputs = model(
         input_ids=input_ids,
@@ -185,6 +190,7 @@ def padded_logps(
         position_ids=position_ids,
         logits_to_keep=T + 1,
         use_cache=False,
+        **vision,
         **({"output_router_logits": True} if router_aux is not None else {}),
     )
     if router_aux is not None:

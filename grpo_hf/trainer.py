@@ -37,7 +37,7 @@ from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
-from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
+from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef, tokenizer_of
 from grpo_hf.objective import Objective
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
@@ -54,8 +54,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
     Args:
-        model: a Hub id or local path (loaded with `AutoModelForCausalLM`, `args.model_init_kwargs`),
-            or a `PreTrainedModel`.
+        model: a Hub id or local path (loaded with `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a
+            vision-language model; `args.model_init_kwargs`), or a `PreTrainedModel`.
         reward_funcs: one or a list of: a callable with the TRL reward signature
             `fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]`,
             a registry name (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a
@@ -66,7 +66,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             (`datasets.IterableDataset`) works too, with `max_steps` set (`grpo_hf.streams`).
         eval_dataset: same format, or a dict of them; evaluated by sampling `num_generations_eval` completions per
             prompt.
-        processing_class: the tokenizer; loaded from `model` when None.
+        processing_class: the tokenizer, or a VLM's processor (rows then carry `image`/`images`: docs/vision.md);
+            loaded from `model` when None.
         reward_processing_classes: tokenizers for reward models (one per reward function, None
             entries load the reward model's own).
         peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
@@ -145,8 +146,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
         the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
         around the optimizer step."""
-        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), self.processing_class)
-        self.generation_config = args.generation_config_for(self.processing_class.pad_token_id, self.eos_token_ids)
+        tokenizer = tokenizer_of(self.processing_class)  # a VLM's processor's own
+        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), tokenizer)
+        self.generation_config = args.generation_config_for(tokenizer.pad_token_id, self.eos_token_ids)
         self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
@@ -231,9 +233,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
-        # With remove_unused_columns=True keep only the prompt (the model's forward signature is irrelevant here).
+        # With remove_unused_columns=True keep only the prompt and its images (the model's forward signature is moot).
         if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
+            self._signature_columns = ["prompt", "image", "images"]
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset

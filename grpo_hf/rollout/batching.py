@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -36,17 +36,21 @@ class Sequences:
     prompt_mask: Tensor  # [B, P] long, 1 on prompt tokens
     completion_ids: Tensor  # [B, T] long, right-padded
     completion_mask: Tensor  # [B, T] long, 1 on the tokens up to and including EOS: attended to and in the loss
+    # [B] a vision-language model's rows' image inputs (`grpo_hf.vision.ImageRow`, one dict shared by a group's rows;
+    # None for a text-only row), or None when no row has images (`rollout.vision`)
+    image_inputs: list | None = field(default=None, kw_only=True)
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
     def tokens(self) -> dict[str, Tensor]:
-        """The four token tensors by name (of a `Rollout` or `MicroBatch` too: what a new batch is built from)."""
+        """The four token tensors by name, and the rows' image inputs (of a `Rollout` or `MicroBatch` too: what a new
+        batch is built from)."""
         return {f.name: getattr(self, f.name) for f in fields(Sequences)}
 
     def rows(self, start: int, stop: int) -> Sequences:
-        """Rows [start, stop) of the four token tensors, as plain `Sequences`."""
-        return Sequences(**{name: value[start:stop] for name, value in self.tokens().items()})
+        """Rows [start, stop) of the four token tensors and the image inputs, as plain `Sequences`."""
+        return Sequences(**{name: _rows_of(value, start, stop) for name, value in self.tokens().items()})
 
 
 @dataclass
@@ -122,12 +126,18 @@ def split_into_micro_batches(
 
 
 def _tensor_rows(batch: MicroBatch, start: int, stop: int) -> dict[str, Tensor]:
-    """Rows [start, stop) of every per-row tensor of `batch` (the scalar token count stays as it is)."""
+    """Rows [start, stop) of every per-row tensor of `batch` (the scalar token count stays as it is), and of its
+    image inputs."""
     return {
         f.name: value[start:stop]
         for f in fields(batch)
         if isinstance(value := getattr(batch, f.name), Tensor) and value.dim() > 0
-    }
+    } | {"image_inputs": _rows_of(batch.image_inputs, start, stop)}
+
+
+def _rows_of(value, start: int, stop: int):
+    """Rows [start, stop) of a per-row tensor or list; None stays None."""
+    return None if value is None else value[start:stop]
 
 
 def pad_to_multiple(batch: MicroBatch, multiple: int | None, pad_token_id: int) -> MicroBatch:

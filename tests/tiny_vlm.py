@@ -1,0 +1,90 @@
+"""Tiny vision-language models and their processors, built offline from configs (docs/vision.md).
+
+The tokenizer is conftest's byte-level one with the model's image tokens added; the image processor is the PIL one
+(torchvision is not needed), with its defaults shrunk so an image is a few patches. Qwen2-VL's processor also wants a
+video processor, which needs torchvision: `_NoVideoQwen2VLProcessor` lets it be None.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import build_tiny_tokenizer
+from PIL import Image
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# ChatML with TRL's content parts: an image part is Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`.
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class _NoVideoQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without a video processor (which needs torchvision)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+
+def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1):
+    """(model, processor): a Qwen2-VL of ~0.1M parameters (2 text layers, M-RoPE; a 1-layer vision tower with its
+    2x2 patch merger) and its processor; a 28x28-pixel cell is one image token, images are kept within 4-16 tokens."""
+    tokenizer = build_tiny_tokenizer(QWEN_IMAGE_TOKENS, QWEN_TEMPLATE)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    processor = _NoVideoQwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            embed_dim=32,
+            hidden_size=hidden_size,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model, processor
+
+
+def image(seed: int, width: int = 56, height: int = 56) -> Image.Image:
+    """A random RGB image (seeded), `width` x `height` pixels."""
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
