@@ -31,7 +31,7 @@ class _NoVideoQwen2VLProcessor(Qwen2VLProcessor):
         return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
 
-def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1):
+def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1, vision_dim: int = 32):
     """(model, processor): a Qwen2-VL of ~0.1M parameters (2 text layers, M-RoPE; a 1-layer vision tower with its
     2x2 patch merger) and its processor; a 28x28-pixel cell is one image token, images are kept within 4-16 tokens."""
     tokenizer = build_tiny_tokenizer(QWEN_IMAGE_TOKENS, QWEN_TEMPLATE)
@@ -51,16 +51,16 @@ def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1):
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=1024,
-            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+            rope_scaling={"type": "mrope", "mrope_section": mrope_section(hidden_size // 4)},
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
         ),
         vision_config=dict(
             depth=vision_depth,
-            embed_dim=32,
+            embed_dim=vision_dim,
             hidden_size=hidden_size,
-            num_heads=2,
+            num_heads=2 if vision_dim <= 64 else 4,
             mlp_ratio=2,
             patch_size=14,
             spatial_merge_size=2,
@@ -81,6 +81,15 @@ def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     return model, processor
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE's split of a head's rotary frequencies (head_dim / 2) into temporal, height and width: Qwen2-VL's
+    [16, 24, 24] of 64, scaled ([1, 1, 2] of 4)."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
 
 
 def image(seed: int, width: int = 56, height: int = 56) -> Image.Image:
