@@ -10,14 +10,24 @@ import pytest
 import torch
 from conftest import tiny_run_args
 from datasets import Dataset
-from tiny_vlm import image, tiny_qwen2_vl
+from tiny_vlm import image, tiny_gemma3, tiny_qwen2_vl
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.rollout import RolloutEngine, Sequences, make_engine, register_engine
 from grpo_hf.rollout.vision import tokenize_vision_prompts, with_images
-from grpo_hf.vision import FEATURES, encode_rows, forward_kwargs, image_token_ids, token_type_kwargs
+from grpo_hf.vision import FEATURES, encode_rows, forward_kwargs, image_token_ids, token_type_kwargs, vision_modules
 
 torch.set_num_threads(1)
+
+
+# Two families: Qwen2-VL (patches split by `image_grid_thw`, M-RoPE) and Gemma 3 (one `pixel_values` entry per image,
+# bidirectional attention over an image's tokens by `token_type_ids`).
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "gemma3": tiny_gemma3}
+
+
+def freeze_vision(model, frozen: bool = True) -> None:
+    for module in vision_modules(model).values():
+        module.requires_grad_(not frozen)
 
 
 def token_reward(completions, completion_ids, **kwargs):
@@ -51,23 +61,28 @@ def dataset(kind: str, n: int = 4) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def trainer_for(tmp_path, data, model=None, processor=None, **overrides) -> GRPOTrainer:
+def trainer_for(tmp_path, data, model=None, processor=None, family="qwen2_vl", **overrides) -> GRPOTrainer:
     if model is None:
-        model, processor = tiny_qwen2_vl()
+        model, processor = FAMILIES[family]()
     args = tiny_run_args(tmp_path, **overrides)
     return GRPOTrainer(
         model=model, reward_funcs=token_reward, args=args, train_dataset=data, processing_class=processor
     )
 
 
-@pytest.mark.parametrize("kind", ["strings", "parts", "plain"])
-def test_trains_on_rows_with_one_several_and_no_images(tmp_path, kind):
-    trainer = trainer_for(tmp_path, dataset(kind), beta=0.1, steps_per_generation=2, max_steps=2, learning_rate=1e-2)
+@pytest.mark.parametrize(
+    ("family", "kind"), [("qwen2_vl", "strings"), ("qwen2_vl", "parts"), ("qwen2_vl", "plain"), ("gemma3", "parts")]
+)
+def test_trains_on_rows_with_one_several_and_no_images(tmp_path, family, kind):
+    trainer = trainer_for(
+        tmp_path, dataset(kind), family=family, beta=0.1, steps_per_generation=2, max_steps=2, learning_rate=1e-2
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
     assert any(name.startswith("model.language_model") for name in changed)
-    assert any(name.startswith("model.visual") for name in changed)  # full fine-tuning trains the tower, as TRL
+    tower = [f"model.{name}." for name in vision_modules(trainer.model)]
+    assert any(name.startswith(prefix) for name in changed for prefix in tower)  # full fine-tuning: as TRL
 
 
 def test_the_image_column_holds_one_image(tmp_path):
@@ -83,27 +98,36 @@ def plain_logps(model, processor, prompt, images, completion_ids: torch.Tensor) 
     text = processor.apply_chat_template(with_images(prompt, images, "<|image_pad|>"), add_generation_prompt=True)
     encoded = processor(text=[text], images=[images] if images else None, return_tensors="pt")
     input_ids = torch.cat([encoded["input_ids"], completion_ids[None]], dim=1)
-    kwargs = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    if images:
-        types = encoded["mm_token_type_ids"]
-        kwargs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, completion_ids.numel())], dim=1)
+    kwargs = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+    for key in ("mm_token_type_ids", "token_type_ids"):  # per token: text (0) on the completion
+        if key in kwargs:
+            kwargs[key] = torch.cat([kwargs[key], kwargs[key].new_zeros(1, completion_ids.numel())], dim=1)
     with torch.no_grad():
         logits = model(input_ids=input_ids, **kwargs).logits[0, -completion_ids.numel() - 1 : -1]
     return torch.log_softmax(logits.float(), dim=-1).gather(1, completion_ids[:, None])[:, 0]
 
 
-@pytest.mark.parametrize(("G", "batch_size", "frozen"), [(4, 2, True), (2, 4, True), (2, 4, False)])
-def test_each_row_keeps_its_own_images_in_every_micro_batch(tmp_path, G, batch_size, frozen):
+@pytest.mark.parametrize(
+    ("family", "G", "batch_size", "frozen"),
+    [("qwen2_vl", 4, 2, True), ("qwen2_vl", 2, 4, True), ("qwen2_vl", 2, 4, False), ("gemma3", 2, 4, True)],
+)
+def test_each_row_keeps_its_own_images_in_every_micro_batch(tmp_path, family, G, batch_size, frozen):
     """A row's reference log-probs from the trainer's micro-batches equal a plain forward of that row alone with its
     own images: with a group split over two micro-batches, and with two groups of other images in one; with image
     features cached (frozen tower) or not. Rows whose images differ in number and size make any mis-split show."""
     data = dataset("parts", n=16 // G)
     steps = 16 // batch_size  # one generation batch of 16 rows
     trainer = trainer_for(
-        tmp_path, data, beta=0.1, num_generations=G, per_device_train_batch_size=batch_size, steps_per_generation=steps
+        tmp_path,
+        data,
+        family=family,
+        beta=0.1,
+        num_generations=G,
+        per_device_train_batch_size=batch_size,
+        steps_per_generation=steps,
     )
     reference = trainer.ref_model
-    trainer.model.model.visual.requires_grad_(not frozen)  # cached features must still be each row's own
+    freeze_vision(trainer.model, frozen)  # cached features must still be each row's own
     rows = [data[k] for k in range(16 // G) for _ in range(G)]
     batches = trainer.experience.train_batches(rows)
     assert len(batches) == steps and trainer.experience.num_image_encodings == (3 * 4 // G if frozen else 0)
@@ -160,12 +184,15 @@ def test_token_types_read_off_the_ids_match_the_processor():
     assert torch.equal(derived["mm_token_type_ids"], encoded["mm_token_type_ids"].int())
 
 
-@pytest.mark.parametrize("engine_name", ["loop", "generate"])
-def test_image_tokens_are_never_sampled(engine_name):
+@pytest.mark.parametrize(("family", "engine_name"), [(f, e) for f in FAMILIES for e in ("loop", "generate")])
+def test_image_tokens_are_never_sampled(family, engine_name):
     """The model is made to prefer image tokens by far; the engine never draws them (without the block it does)."""
-    model, processor = tiny_qwen2_vl()
+    model, processor = FAMILIES[family]()
     blocked = image_token_ids(model)
-    assert processor.image_token_id in blocked and len(blocked) == 4
+    image_token = processor.tokenizer.convert_tokens_to_ids(
+        processor.tokenizer.image_token if family == "gemma3" else "<|image_pad|>"
+    )
+    assert image_token in blocked and len(blocked) == {"qwen2_vl": 4, "gemma3": 3}[family]
     boost = torch.zeros(model.config.text_config.vocab_size)
     boost[blocked] = 50.0
     model.lm_head.register_forward_hook(lambda module, args, output: output + boost)
@@ -199,11 +226,12 @@ class TextOnlyEngine(RolloutEngine):
     name = "text_only"
 
 
-def test_the_engines_sample_what_generate_samples_for_each_prompt_alone():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engines_sample_what_generate_samples_for_each_prompt_alone(family):
     """The loop (each prompt prefilled once, M-RoPE positions shifted by its images) and the generate engine, on a
     batch of prompts with other images, left-padded: top_k=1 gives the tokens `model.generate` gives each prompt
     alone, from the processor's own encoding."""
-    model, processor = tiny_qwen2_vl(seed=3)
+    model, processor = FAMILIES[family](seed=3)
     prompt_ids, prompt_mask, _, rows = vision_batch(processor, n_prompts=4, G=1)
     config = model.generation_config
     config.update(do_sample=True, max_new_tokens=8, top_k=1)
@@ -234,7 +262,7 @@ def test_cached_features_give_the_plain_log_probs():
     with torch.no_grad():
         plain, _ = padded_logps(model, batch)
         assert encode_rows(model, rows) == 0  # the tower trains: nothing is cached
-        model.model.visual.requires_grad_(False)
+        freeze_vision(model)
         assert encode_rows(model, rows) == 3  # three prompts with images (the fourth is text-only)
         assert "pixel_values" not in forward_kwargs(model, prompt_ids, rows)
         cached, _ = padded_logps(model, batch)
@@ -258,10 +286,13 @@ def test_the_vision_encoder_runs_once_per_prompt_per_generation_batch(tmp_path):
     assert trainer.experience.num_image_encodings == 3
 
 
-def test_lora_trains_the_language_model_and_leaves_the_tower_frozen(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_trains_the_language_model_and_leaves_the_tower_frozen(tmp_path, family):
+    """Qwen2-VL's tower names its attention `qkv`, Gemma 3's SigLIP `q_proj` / `v_proj`, like the language model's:
+    the adapters still go on the language model only."""
     from peft import LoraConfig
 
-    model, processor = tiny_qwen2_vl()
+    model, processor = FAMILIES[family]()
     data = dataset("strings", n=3)  # every row with images
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"], lora_dropout=0.0)
     args = tiny_run_args(tmp_path, beta=0.1, learning_rate=1e-2, max_steps=1)

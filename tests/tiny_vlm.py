@@ -97,3 +97,71 @@ def image(seed: int, width: int = 56, height: int = 56) -> Image.Image:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy(), "RGB")
+
+
+GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+# Gemma's turns with TRL's content parts: an image part is `<start_of_image>`, which the processor expands.
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
+    """(model, processor): a Gemma 3 (2 text layers, full attention; a 1-layer SigLIP tower on 28x28 images, 2x2
+    patches, 4 image tokens per image, one entry of `pixel_values` per image) and its processor."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    template = GEMMA_TEMPLATE.replace("<start_of_turn>", "<|im_start|>").replace("<end_of_turn>", "<|im_end|>")
+    tokenizer = build_tiny_tokenizer(GEMMA_IMAGE_TOKENS, template)
+    tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = GEMMA_IMAGE_TOKENS
+    ids = tokenizer.convert_tokens_to_ids
+    tokenizer.boi_token_id, tokenizer.eoi_token_id = ids("<start_of_image>"), ids("<end_of_image>")
+    tokenizer.image_token_id = ids("<image_soft_token>")
+    image_processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor.image_seq_length = 4
+    processor.full_image_sequence = f"\n\n<start_of_image>{'<image_soft_token>' * 4}<end_of_image>\n\n"
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            query_pre_attn_scalar=hidden_size // 4,
+            max_position_embeddings=1024,
+            layer_types=["full_attention", "full_attention"],
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model, processor
