@@ -373,3 +373,29 @@ def test_the_loop_numbers_decoding_positions_as_the_model_numbers_the_whole_sequ
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **forward_kwargs(model, ids, rows))
     torch.testing.assert_close(step_logits, decoded[0], rtol=0, atol=1e-5)
+
+
+def _vlm_step(tmp_path, num_processes: int) -> dict:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / f"vlm_step_{num_processes}.pt"
+    script = Path(__file__).parent / "distributed" / "vlm_step.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([*command, str(script), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_two_processes_match_one_process(tmp_path):
+    """DDP over 2 gloo processes, each with its own prompt's group and images (one and two images of other sizes):
+    the same advantages, loss and clipped update as 1 process."""
+    one, two = _vlm_step(tmp_path, 1), _vlm_step(tmp_path, 2)
+    assert one["advantages"].abs().sum() > 0
+    torch.testing.assert_close(two["advantages"], one["advantages"], rtol=0, atol=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    for name, value in one["params"].items():
+        torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6)
