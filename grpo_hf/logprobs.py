@@ -29,7 +29,14 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 from grpo_hf.peft_utils import base_model, is_peft_model
-from grpo_hf.vision import forward_kwargs, uses_mrope
+from grpo_hf.vision import (
+    forward_kwargs,
+    is_vision_model,
+    multimodal_model,
+    position_offsets,
+    split_runs,
+    uses_mrope,
+)
 
 if TYPE_CHECKING:
     from grpo_hf.rollout.batching import MicroBatch
@@ -48,20 +55,24 @@ _LOGIT_TRANSFORMS = (
 
 
 def supports_shared_prefix(model: nn.Module) -> bool:
-    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention."""
+    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention; or an
+    image-text-to-text model whose language model is one (its prompts then go through the multimodal model)."""
     if is_peft_model(model):
         if model.active_peft_config.is_prompt_learning:  # virtual tokens are added by PeftModel.forward
             return False
         model = model.get_base_model()
     config = getattr(model, "config", None)
-    if config is None or config.is_encoder_decoder or config.get_text_config() is not config:
+    if config is None or config.is_encoder_decoder:
+        return False
+    text_config = config.get_text_config()
+    if text_config is not config and not is_vision_model(model):
         return False
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
         return False
-    if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS):
+    if any(getattr(c, name, None) is not None for c in (config, text_config) for name in _LOGIT_TRANSFORMS):
         return False
     try:
-        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=text_config).layers)
     except Exception:  # a config the cache classes do not understand
         return False
 
@@ -135,9 +146,10 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
     completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
     P = prompt_ids.size(1)
     lengths = completion_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs
-    for start, stop in prompt_runs(prompt_ids, prompt_mask):
+    for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
-        prompt = decoder(input_ids=prompt_ids[start : start + 1, P - p :], use_cache=True)  # [1, p, H]
+        image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
+        prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
         prompt_kv = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]  # [1, heads, p, d]
         last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
         for bucket in length_buckets(lengths[start:stop]):
@@ -148,12 +160,28 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
                 cache = DynamicCache(config=base.config)
                 for layer, (keys, values) in enumerate(prompt_kv):
                     cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
-                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1)  # [n, t - 1]
+                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1) + offset  # [n, t - 1]
                 completion = decoder(
                     input_ids=completion_ids[rows, : t - 1], position_ids=positions, past_key_values=cache
                 ).last_hidden_state  # [n, t - 1, H]
                 hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
             yield rows, lm_head(hidden)  # [n, t, V]
+
+
+def _prompt_forward(base: nn.Module, decoder: nn.Module, prompt_ids: torch.Tensor, image_row):
+    """One prompt [1, p] through the decoder, with its KV cache; a prompt with images through the multimodal model
+    (its images, or their cached features, in place of its image tokens). Returns the output (`last_hidden_state`,
+    `past_key_values`) and how far the positions after the prompt are from p: Qwen2-VL's M-RoPE gives an image fewer
+    positions than tokens (0 for other models and text prompts)."""
+    if image_row is None:
+        return decoder(input_ids=prompt_ids, use_cache=True), 0
+    output = multimodal_model(base)(
+        input_ids=prompt_ids, use_cache=True, **forward_kwargs(base, prompt_ids, [image_row])
+    )
+    if getattr(output, "past_key_values", None) is None:
+        output.past_key_values = output.cache
+    offsets = position_offsets(base)  # [1, 1] or None
+    return output, (0 if offsets is None else offsets.to(prompt_ids.device))
 
 
 def padded_logps(

@@ -83,7 +83,7 @@ def image_token_ids(model: nn.Module) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and i >= 0)
 
 
-def _inner(model: nn.Module) -> nn.Module:
+def multimodal_model(model: nn.Module) -> nn.Module:
     """The multimodal base model holding `language_model` and the vision modules (`model.model` for most)."""
     bare = _unwrap(model)
     inner = getattr(bare, "model", bare)
@@ -93,7 +93,7 @@ def _inner(model: nn.Module) -> nn.Module:
 def vision_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The modules that turn pixels into features, by name: every child of the multimodal base model but its
     `language_model` (Qwen2-VL's `visual`; LLaVA's and Gemma 3's `vision_tower` and `multi_modal_projector`)."""
-    inner = _inner(model)
+    inner = multimodal_model(model)
     return {name: child for name, child in inner.named_children() if name != "language_model"}
 
 
@@ -105,13 +105,25 @@ def vision_frozen(model: nn.Module) -> bool:
 
 def uses_mrope(model: nn.Module) -> bool:
     """Whether positions are 3-D (Qwen2-VL's M-RoPE): the model then numbers a prompt with images itself."""
-    return hasattr(_inner(model), "get_rope_index")
+    return hasattr(multimodal_model(model), "get_rope_index")
 
 
 def position_offsets(model: nn.Module) -> Tensor | None:
     """[U, 1] for M-RoPE models after a prefill with images: how far each prompt's last position is from its token
     count (Qwen2-VL's `rope_deltas`); the decoding steps add it to the text positions. None for other models."""
-    return getattr(_inner(model), "rope_deltas", None) if uses_mrope(model) else None
+    return getattr(multimodal_model(model), "rope_deltas", None) if uses_mrope(model) else None
+
+
+def split_runs(runs: list[tuple[int, int]], rows: Sequence[ImageRow | None] | None) -> list[tuple[int, int]]:
+    """Runs of identical prompt rows [start, stop) cut where the rows' image inputs differ: rows with the same tokens
+    but other images are other prompts (a group's rows share one `ImageRow`)."""
+    if rows is None:
+        return runs
+    cut = []
+    for start, stop in runs:
+        bounds = [start, *(i for i in range(start + 1, stop) if rows[i] is not rows[i - 1]), stop]
+        cut += list(zip(bounds[:-1], bounds[1:], strict=True))
+    return cut
 
 
 def has_images(rows: Sequence[ImageRow | None] | None) -> bool:
@@ -179,7 +191,7 @@ def forward_kwargs(model: nn.Module, input_ids: Tensor, rows: Sequence[ImageRow 
 def image_features(model: nn.Module, row: ImageRow) -> Any:
     """The vision side's output for one prompt's images (`get_image_features`), without gradient: what the
     language model's image tokens are replaced by."""
-    inner = _inner(model)
+    inner = multimodal_model(model)
     parameters = inspect.signature(inner.get_image_features).parameters
     accepted = {k: v for k, v in row.items() if k in parameters and k != FEATURES}
     with torch.no_grad():

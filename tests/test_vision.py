@@ -399,3 +399,36 @@ def test_two_processes_match_one_process(tmp_path):
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     for name, value in one["params"].items():
         torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "frozen"), [(f, frozen) for f in FAMILIES for frozen in (False, True)])
+def test_the_shared_prompt_prefix_gives_the_padded_log_probs_and_gradients(family, frozen):
+    """Each prompt run once with its images (or their cached features), its completions on its KV cache at positions
+    after its images' (M-RoPE): the log-probs and the gradients (the tower's too, when it trains) of one padded forward
+    over every row."""
+    from grpo_hf.logprobs import padded_logps, shared_prefix_logps, supports_shared_prefix
+
+    model, processor = FAMILIES[family]()
+    freeze_vision(model, frozen)
+    assert supports_shared_prefix(model)
+    prompt_ids, prompt_mask, _, rows = vision_batch(processor, n_prompts=4)
+    completion_ids = torch.randint(10, 200, (len(rows), 5), generator=torch.Generator().manual_seed(0))
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = 0
+    batch = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=rows)
+    if frozen:
+        assert encode_rows(model, rows) == 3
+    results = []
+    for logps_of in (padded_logps, shared_prefix_logps):
+        model.zero_grad()
+        logps, _ = logps_of(model, batch)
+        (logps * completion_mask).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((logps.detach() * completion_mask, grads))
+    (padded, padded_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    assert padded_grads.keys() == shared_grads.keys()
+    assert any(name.startswith("model.language_model") for name in padded_grads)
+    assert frozen != any(not name.startswith(("model.language_model", "lm_head")) for name in padded_grads)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5)

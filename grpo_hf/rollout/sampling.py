@@ -20,7 +20,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import prompt_runs
-from grpo_hf.vision import forward_kwargs, uses_mrope
+from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
 # Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
 # model's `generation_config` sets one (transformers' global defaults).
@@ -187,13 +187,7 @@ def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch
     3-D positions (M-RoPE) numbers a batch with images itself. Returns the last position's logits [U, V] and, for each
     of the N rows, the index of its prompt [N].
     """
-    runs = prompt_runs(prompt_ids, prompt_mask)
-    if images is not None:  # rows with the same tokens but other images are other prompts
-        runs = [
-            (a, b)
-            for start, stop in runs
-            for a, b in _split_where(start, stop, lambda i: images[i] is not images[i - 1])
-        ]
+    runs = split_runs(prompt_runs(prompt_ids, prompt_mask), images)
     counts = torch.tensor([stop - start for start, stop in runs], device=prompt_ids.device)  # [U]
     rows = torch.arange(len(runs), device=prompt_ids.device).repeat_interleave(counts)  # [N]
     starts = [start for start, _ in runs]
@@ -212,9 +206,3 @@ def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch
         **{cache_keyword(model): cache},
     ).logits[:, -1]  # [U, V]
     return logits, rows
-
-
-def _split_where(start: int, stop: int, boundary) -> list[tuple[int, int]]:
-    """[start, stop) cut before every i in (start, stop) where `boundary(i)`."""
-    cuts = [start, *(i for i in range(start + 1, stop) if boundary(i)), stop]
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
