@@ -52,9 +52,7 @@ def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1, v
             num_key_value_heads=2,
             max_position_embeddings=1024,
             rope_scaling={"type": "mrope", "mrope_section": mrope_section(hidden_size // 4)},
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
+            **special_ids(tokenizer),
         ),
         vision_config=dict(
             depth=vision_depth,
@@ -71,16 +69,22 @@ def tiny_qwen2_vl(seed: int = 0, hidden_size: int = 32, vision_depth: int = 1, v
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+        **special_ids(tokenizer),
     )
+    return seeded(Qwen2VLForConditionalGeneration, config, seed, tokenizer), processor
+
+
+def special_ids(tokenizer) -> dict:
+    """EOS and pad from the tokenizer, no BOS: for a config and its text config."""
+    return dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+
+
+def seeded(model_class, config, seed: int, tokenizer):
+    """`model_class(config)` initialised under `seed`, generating with the tokenizer's EOS and pad tokens."""
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
-    return model, processor
+    model = model_class(config)
+    model.generation_config.update(**special_ids(tokenizer))
+    return model
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -138,9 +142,7 @@ def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
             query_pre_attn_scalar=hidden_size // 4,
             max_position_embeddings=1024,
             layer_types=["full_attention", "full_attention"],
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
+            **special_ids(tokenizer),
         ),
         vision_config=dict(
             model_type="siglip_vision_model",
@@ -155,13 +157,6 @@ def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
         boi_token_index=ids("<start_of_image>"),
         eoi_token_index=ids("<end_of_image>"),
         image_token_index=ids("<image_soft_token>"),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        **special_ids(tokenizer),
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
-    return model, processor
+    return seeded(Gemma3ForConditionalGeneration, config, seed, tokenizer), processor

@@ -12,13 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the builders
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # grpo_step's fixed rollouts and settings
 
 from conftest import exit_without_teardown  # noqa: E402
+from grpo_step import fixed_completions, save_step, step_settings  # noqa: E402
 from tiny_vlm import image, tiny_qwen2_vl  # noqa: E402
 
 from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -34,13 +34,7 @@ class FixedImageEngine(RolloutEngine):
 
     def sample(self, model, prompt_ids, prompt_mask, images=None):
         assert images is not None and all(row is not None for row in images)
-        B = prompt_ids.size(0)
-        rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
-        completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
-        for i, k in enumerate((1 + rows % T).tolist()):
-            if k < T:
-                completion_ids[i, k] = self.eos_token_ids[0]
-        return completion_ids.to(prompt_ids.device)
+        return fixed_completions(prompt_ids, T, self.eos_token_ids[0])
 
 
 def main(out_path: str) -> None:
@@ -56,33 +50,15 @@ def main(out_path: str) -> None:
         return [float(sum(ids) % 11) for ids in completion_ids]
 
     args = GRPOConfig(
-        output_dir=str(Path(out_path).parent / "run"),
-        num_generations=G,
-        max_completion_length=T,
-        max_steps=1,
+        **step_settings(out_path, G, T),
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
-        optim="sgd",
         learning_rate=100.0,
         max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
-        beta=0.04,
-        shuffle_dataset=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
         rollout_engine="fixed_images",
     )
     trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=processor)
     trainer.train()
-    advantages = torch.cat([part.advantages for part in trainer._buffer])
-    all_advantages = trainer.accelerator.gather(advantages)
-    if trainer.accelerator.is_main_process:
-        loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        torch.save({"advantages": all_advantages, "loss": loss, "params": params}, out_path)
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    save_step(trainer, out_path)
 
 
 if __name__ == "__main__":
