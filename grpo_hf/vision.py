@@ -9,9 +9,10 @@ its own tensors, never a slice of a batch: `pixel_values`, `image_grid_thw`, `im
 returns them for that one prompt (`ImageRow`). The G rows of a group share one dict. A forward over some rows joins
 their dicts in row order (`merge_rows`): concatenated along the first dimension, which is how every family the
 processor flattens lays them out (Qwen2-VL's patches [sum of t*h*w, D] with one `image_grid_thw` row per image;
-LLaVA's and Gemma 3's images [n_images, C, H, W]). The per-token fields (`mm_token_type_ids`, `token_type_ids`) are
-not stored: they are read off the token ids of the rows being run (`token_type_kwargs`), so they follow any padding,
-trimming or completion tokens.
+LLaVA's and Gemma 3's images [n_images, C, H, W]; Idefics3's and SmolVLM's one row per prompt [1, tiles, C, H, W],
+zero-padded to the most tiles, as its processor pads a batch). The per-token fields (`mm_token_type_ids`,
+`token_type_ids`) are not stored: they are read off the token ids of the rows being run (`token_type_kwargs`), so they
+follow any padding, trimming or completion tokens.
 
 With the vision side frozen (`vision_frozen`: the tower, and its projector, have no trainable parameter), the
 features of a prompt's images are the same in every forward of a generation batch: `encode_rows` computes them once
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 ImageRow = dict[str, Any]  # one prompt's processor outputs (tensors) and, once encoded, its features (`FEATURES`)
 FEATURES = "image_features"  # the key of an `ImageRow`'s cached features: the tower's output for its images
+LANGUAGE_MODELS = ("language_model", "text_model")  # the multimodal base model's language model, by family
 # Processor outputs that are per token, not per image: derived from the ids of each forward (`token_type_kwargs`).
 PER_TOKEN_FIELDS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 # Config attributes naming token ids that stand for an image inside a prompt; a completion never contains them.
@@ -84,17 +86,19 @@ def image_token_ids(model: nn.Module) -> list[int]:
 
 
 def multimodal_model(model: nn.Module) -> nn.Module:
-    """The multimodal base model holding `language_model` and the vision modules (`model.model` for most)."""
+    """The multimodal base model holding the language model (`language_model`; Idefics3's `text_model`) and the
+    vision modules (`model.model` for most)."""
     bare = _unwrap(model)
     inner = getattr(bare, "model", bare)
-    return inner if hasattr(inner, "language_model") else bare
+    return inner if any(hasattr(inner, name) for name in LANGUAGE_MODELS) else bare
 
 
 def vision_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The modules that turn pixels into features, by name: every child of the multimodal base model but its
-    `language_model` (Qwen2-VL's `visual`; LLaVA's and Gemma 3's `vision_tower` and `multi_modal_projector`)."""
+    """The modules that turn pixels into features, by name: every child of the multimodal base model but its language
+    model (Qwen2-VL's `visual`; Gemma 3's `vision_tower` and `multi_modal_projector`; Idefics3's `vision_model` and
+    `connector`)."""
     inner = multimodal_model(model)
-    return {name: child for name, child in inner.named_children() if name != "language_model"}
+    return {name: child for name, child in inner.named_children() if name not in LANGUAGE_MODELS}
 
 
 def vision_frozen(model: nn.Module) -> bool:
@@ -139,11 +143,24 @@ def merge_rows(rows: Sequence[ImageRow | None]) -> dict[str, Any]:
     merged = {}
     for key in present[0]:
         values = [row[key] for row in present]
-        if key == FEATURES:
-            merged[key] = _join_features(values)
-        else:
-            merged[key] = torch.cat(values)
+        merged[key] = _join_features(values) if key == FEATURES else _padded_cat(values)
     return merged
+
+
+def _padded_cat(values: list[Tensor]) -> Tensor:
+    """`values` concatenated along dimension 0, each first padded with zeros at the end of every other dimension to
+    the largest size: Idefics3 / SmolVLM give each prompt `pixel_values` [1, tiles, C, H, W] and a
+    `pixel_attention_mask`, and take all-zero tiles as padding."""
+    shape = [max(sizes) for sizes in zip(*(value.shape[1:] for value in values), strict=True)]
+    padded = []
+    for value in values:
+        pad = [
+            side
+            for have, want in zip(reversed(value.shape[1:]), reversed(shape), strict=True)
+            for side in (0, want - have)
+        ]
+        padded.append(torch.nn.functional.pad(value, pad) if any(pad) else value)
+    return torch.cat(padded)
 
 
 def _join_features(values: list) -> Any:

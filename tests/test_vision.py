@@ -10,19 +10,31 @@ import pytest
 import torch
 from conftest import tiny_run_args
 from datasets import Dataset
-from tiny_vlm import image, tiny_gemma3, tiny_qwen2_vl
+from tiny_vlm import image, tiny_gemma3, tiny_idefics3, tiny_qwen2_vl
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.rollout import RolloutEngine, Sequences, make_engine, register_engine
 from grpo_hf.rollout.vision import tokenize_vision_prompts, with_images
-from grpo_hf.vision import FEATURES, encode_rows, forward_kwargs, image_token_ids, token_type_kwargs, vision_modules
+from grpo_hf.vision import (
+    FEATURES,
+    LANGUAGE_MODELS,
+    encode_rows,
+    forward_kwargs,
+    image_token_ids,
+    token_type_kwargs,
+    vision_modules,
+)
 
 torch.set_num_threads(1)
 
 
-# Two families: Qwen2-VL (patches split by `image_grid_thw`, M-RoPE) and Gemma 3 (one `pixel_values` entry per image,
-# bidirectional attention over an image's tokens by `token_type_ids`).
-FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "gemma3": tiny_gemma3}
+# Three families: Qwen2-VL (patches split by `image_grid_thw`, M-RoPE), Gemma 3 (one `pixel_values` entry per image,
+# bidirectional attention over an image's tokens by `token_type_ids`) and Idefics3 / SmolVLM (images cut into tiles,
+# `pixel_values` [1, tiles, C, H, W] per prompt, zero-padded across prompts).
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "gemma3": tiny_gemma3, "idefics3": tiny_idefics3}
+
+
+LANGUAGE = tuple(f"model.{name}." for name in LANGUAGE_MODELS)  # parameter names of the language model
 
 
 def freeze_vision(model, frozen: bool = True) -> None:
@@ -71,7 +83,14 @@ def trainer_for(tmp_path, data, model=None, processor=None, family="qwen2_vl", *
 
 
 @pytest.mark.parametrize(
-    ("family", "kind"), [("qwen2_vl", "strings"), ("qwen2_vl", "parts"), ("qwen2_vl", "plain"), ("gemma3", "parts")]
+    ("family", "kind"),
+    [
+        ("qwen2_vl", "strings"),
+        ("qwen2_vl", "parts"),
+        ("qwen2_vl", "plain"),
+        ("gemma3", "parts"),
+        ("idefics3", "parts"),
+    ],
 )
 def test_trains_on_rows_with_one_several_and_no_images(tmp_path, family, kind):
     trainer = trainer_for(
@@ -80,7 +99,7 @@ def test_trains_on_rows_with_one_several_and_no_images(tmp_path, family, kind):
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
-    assert any(name.startswith("model.language_model") for name in changed)
+    assert any(name.startswith(LANGUAGE) for name in changed)
     tower = [f"model.{name}." for name in vision_modules(trainer.model)]
     assert any(name.startswith(prefix) for name in changed for prefix in tower)  # full fine-tuning: as TRL
 
@@ -109,7 +128,13 @@ def plain_logps(model, processor, prompt, images, completion_ids: torch.Tensor) 
 
 @pytest.mark.parametrize(
     ("family", "G", "batch_size", "frozen"),
-    [("qwen2_vl", 4, 2, True), ("qwen2_vl", 2, 4, True), ("qwen2_vl", 2, 4, False), ("gemma3", 2, 4, True)],
+    [
+        ("qwen2_vl", 4, 2, True),
+        ("qwen2_vl", 2, 4, True),
+        ("qwen2_vl", 2, 4, False),
+        ("gemma3", 2, 4, True),
+        ("idefics3", 2, 4, False),
+    ],
 )
 def test_each_row_keeps_its_own_images_in_every_micro_batch(tmp_path, family, G, batch_size, frozen):
     """A row's reference log-probs from the trainer's micro-batches equal a plain forward of that row alone with its
@@ -189,10 +214,9 @@ def test_image_tokens_are_never_sampled(family, engine_name):
     """The model is made to prefer image tokens by far; the engine never draws them (without the block it does)."""
     model, processor = FAMILIES[family]()
     blocked = image_token_ids(model)
-    image_token = processor.tokenizer.convert_tokens_to_ids(
-        processor.tokenizer.image_token if family == "gemma3" else "<|image_pad|>"
-    )
-    assert image_token in blocked and len(blocked) == {"qwen2_vl": 4, "gemma3": 3}[family]
+    placeholder = {"qwen2_vl": "<|image_pad|>", "gemma3": "<image_soft_token>", "idefics3": "<image>"}[family]
+    assert processor.tokenizer.convert_tokens_to_ids(placeholder) in blocked
+    assert len(blocked) == {"qwen2_vl": 4, "gemma3": 3, "idefics3": 1}[family]  # placeholders, start and end markers
     boost = torch.zeros(model.config.text_config.vocab_size)
     boost[blocked] = 50.0
     model.lm_head.register_forward_hook(lambda module, args, output: output + boost)
@@ -305,7 +329,9 @@ def test_lora_trains_the_language_model_and_leaves_the_tower_frozen(tmp_path, fa
         peft_config=peft_config,
     )
     lora = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
-    assert lora and all("lora_" in name and "language_model" in name for name in lora)
+    assert lora and all(
+        "lora_" in name and name.startswith(tuple(f"base_model.model.{m}" for m in LANGUAGE)) for name in lora
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
@@ -428,7 +454,7 @@ def test_the_shared_prompt_prefix_gives_the_padded_log_probs_and_gradients(famil
     (padded, padded_grads), (shared, shared_grads) = results
     torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
     assert padded_grads.keys() == shared_grads.keys()
-    assert any(name.startswith("model.language_model") for name in padded_grads)
-    assert frozen != any(not name.startswith(("model.language_model", "lm_head")) for name in padded_grads)
+    assert any(name.startswith(LANGUAGE) for name in padded_grads)
+    assert frozen != any(not name.startswith((*LANGUAGE, "lm_head")) for name in padded_grads)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5)

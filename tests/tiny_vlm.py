@@ -160,3 +160,45 @@ def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
         **special_ids(tokenizer),
     )
     return seeded(Gemma3ForConditionalGeneration, config, seed, tokenizer), processor
+
+
+IDEFICS_IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+IDEFICS_TEMPLATE = QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+
+def tiny_idefics3(seed: int = 0, hidden_size: int = 32):
+    """(model, processor): an Idefics3 (SmolVLM's architecture: a Llama of 2 layers, a 1-layer SigLIP-like tower on
+    56x56 tiles, pixel shuffle by 2: 4 tokens per tile) and its processor, which tiles an image into up to 2x2 tiles
+    plus a global view and pads `pixel_values` per row [1, tiles, 3, 56, 56]."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = build_tiny_tokenizer(IDEFICS_IMAGE_TOKENS, IDEFICS_TEMPLATE)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    processor.chat_template = IDEFICS_TEMPLATE
+    config = Idefics3Config(
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            **special_ids(tokenizer),
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        **special_ids(tokenizer),
+    )
+    return seeded(Idefics3ForConditionalGeneration, config, seed, tokenizer), processor
