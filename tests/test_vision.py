@@ -73,12 +73,19 @@ def dataset(kind: str, n: int = 4) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def trainer_for(tmp_path, data, model=None, processor=None, family="qwen2_vl", **overrides) -> GRPOTrainer:
+def trainer_for(
+    tmp_path, data, model=None, processor=None, family="qwen2_vl", eval_dataset=None, **overrides
+) -> GRPOTrainer:
     if model is None:
         model, processor = FAMILIES[family]()
     args = tiny_run_args(tmp_path, **overrides)
     return GRPOTrainer(
-        model=model, reward_funcs=token_reward, args=args, train_dataset=data, processing_class=processor
+        model=model,
+        reward_funcs=token_reward,
+        args=args,
+        train_dataset=data,
+        eval_dataset=eval_dataset,
+        processing_class=processor,
     )
 
 
@@ -458,3 +465,27 @@ def test_the_shared_prompt_prefix_gives_the_padded_log_probs_and_gradients(famil
     assert frozen != any(not name.startswith((*LANGUAGE, "lm_head")) for name in padded_grads)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_evaluation_samples_and_scores_rows_with_images(tmp_path):
+    data = dataset("parts", n=4)
+    trainer = trainer_for(tmp_path, data, eval_dataset=data, per_device_eval_batch_size=4, beta=0.1)
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_loss" in metrics
+
+
+def test_buffered_micro_batches_with_images_survive_a_checkpoint(tmp_path):
+    """The run state keeps the buffered micro-batches as plain dicts (`torch.load(weights_only=True)`): their image
+    inputs and cached features load back, a group's rows still sharing one dict."""
+    from grpo_hf.rollout import MicroBatch
+
+    data = dataset("parts", n=2)
+    trainer = trainer_for(tmp_path, data, beta=0.1)
+    freeze_vision(trainer.model)
+    batches = trainer.experience.train_batches([data[k] for k in range(2) for _ in range(2)])
+    torch.save([vars(batch) for batch in batches], tmp_path / "state.pt")
+    (loaded,) = [MicroBatch(**part) for part in torch.load(tmp_path / "state.pt", weights_only=True)]
+    rows = loaded.image_inputs
+    assert rows[0] is rows[1] and rows[2] is rows[3] and FEATURES in rows[0]
+    logps = trainer.logps.no_grad(trainer.model, loaded)
+    torch.testing.assert_close(logps, trainer.logps.no_grad(trainer.model, batches[0]), rtol=0, atol=0)
