@@ -178,6 +178,20 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Extra keyword arguments for `tokenizer.apply_chat_template`."}
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools or environments: the most rounds of tool calls in one episode; a turn asking for "
+            "more ends the episode. `None`: no limit but max_completion_length, which bounds the whole episode."
+        },
+    )
+    tool_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds a tool call may take; one that takes longer becomes an error reply to the model and "
+            "counts as a failed call. `None`: no limit."
+        },
+    )
 
     # ---- the GRPO objective -----------------------------------------------------------------------
     beta: float = field(
@@ -472,6 +486,12 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 (or None for no limit).")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None for no limit)."
+            )
+        if self.tool_timeout is not None and not self.tool_timeout > 0:
+            raise ValueError(f"tool_timeout={self.tool_timeout} must be > 0 seconds (or None for no limit).")
 
     def _check_temperature(self) -> None:
         """temperature > 0, and a warning when it is so low that the groups and the log-probs degenerate."""

@@ -3,8 +3,8 @@
 `ExperienceMaker` is the rollout half of a GRPO step (docs/design.md, "One training step"); OpenRLHF calls it an
 experience maker, TRL's trainer `_generate_and_score_completions`. For this process's prompt rows it:
 
-1. tokenizes the prompts and samples completions with the rollout engine (`grpo_hf.rollout`), or takes them
-   from the user's `rollout_func` (`rollout.custom`);
+1. samples completions (`rollout.sampler.Sampler`: the rollout engine, tool episodes, or the user's
+   `rollout_func`);
 2. scores them with the reward functions (`rewards.compute_rewards`), gathers the rewards of the whole
    generation batch over the processes and combines them (`core.combine_rewards`);
 3. computes group advantages over whole groups (`core.group_advantages`, or GDPO's `decoupled_advantages`) and
@@ -14,13 +14,12 @@ experience maker, TRL's trainer `_generate_and_score_completions`. For this proc
    log-probs and the token count each loss is normalised by.
 
 It is given everything it uses when it is built (the trainer builds it once): the settings, the accelerator, the
-tokenizer, the reward functions, the models and how to compute their log-probs, the non-finite guard and the
-metrics it records into. It never reaches back into the trainer.
+tokenizer, the sampler, the reward functions, the models and how to compute their log-probs, the non-finite guard and
+the metrics it records into. It never reaches back into the trainer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -35,23 +34,16 @@ from grpo_hf.core import combine_rewards, decoupled_advantages, group_advantages
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
 from grpo_hf.metrics import Metrics, check_finite_rewards, reward_metrics
-from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3, stop_together, sum_over_processes
+from grpo_hf.parallel import stop_together, sum_over_processes
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
-from grpo_hf.rollout import (
-    MicroBatch,
-    Rollout,
-    RolloutEngine,
-    Sequences,
-    is_conversational,
-    make_engine,
-    split_into_micro_batches,
-    tokenize_prompts,
-)
-from grpo_hf.rollout.custom import rollout_from_func
+from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_conversational, split_into_micro_batches
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
-from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
-from grpo_hf.vision import encode_rows, has_images, image_token_ids, is_processor, tokenizer_of
+from grpo_hf.rollout.sampler import Generation, Sampled, Sampler
+from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images
+from grpo_hf.vision import encode_rows, is_processor, tokenizer_of
+
+__all__ = ["ExperienceMaker", "Generation", "Models", "RewardSet"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +65,7 @@ class Models:
     """The models a rollout uses, as functions: Trainer re-wraps the policy when training starts (DDP, FSDP)."""
 
     policy: Callable[[], nn.Module]  # the policy as Trainer holds it (`trainer.model`)
-    wrapped: Callable[[], nn.Module]  # the outermost wrapper (`trainer.model_wrapped`), gathered for generation
     reference: nn.Module | None  # the reference model; None under PEFT (the policy with adapters off) or beta = 0
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What sampling needs besides the model: the settings the rollout engine is built with, and the chat template's
-    extra arguments."""
-
-    generation_config: Any  # a `transformers.GenerationConfig`: max_new_tokens, temperature, top_p, ...
-    eos_token_ids: list[int]  # every id that ends a completion
-    chat_template_kwargs: dict[str, Any]
-    sharded: bool  # FSDP or ZeRO-3: the weights are gathered anew for each rollout
 
 
 class ExperienceMaker:
@@ -103,23 +83,24 @@ class ExperienceMaker:
         guard: NonfiniteGuard,
         metrics: Metrics,
         state: Callable[[], Any],  # -> Trainer's `TrainerState` (the step, for reward functions and logs)
-        generation: Generation,
-        rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
+        sampler: Sampler,
         train_rows: Callable[[], Any] | None = None,  # -> the train dataset as the dataloader serves it
     ):
-        self.args, self.accelerator = args, accelerator
-        # A VLM's processor (`processing_class`) tokenizes prompts with their images; its tokenizer does the rest.
-        self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
+        self.args, self.accelerator, self.tokenizer = (
+            args,
+            accelerator,
+            tokenizer_of(tokenizer),
+        )  # a VLM: its processor's
+        self.is_vlm = is_processor(tokenizer)  # rows may carry images (`rollout.vision`)
         self.num_image_encodings = 0  # prompts whose images were encoded for the log-prob forwards (tests count)
         self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
-        self.state, self.generation, self.rollout_func, self.train_rows = state, generation, rollout_func, train_rows
+        self.state, self.sampler, self.train_rows = state, sampler, train_rows
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
         # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
         # inside one accumulation window.
         self.needs_old_logps = (
             args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
         )
-        self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
         self.completion_rows: list[dict[str, Any]] = []  # the last rollout's rows for `log_completions`
@@ -259,15 +240,16 @@ class ExperienceMaker:
 
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
     def rollout_round(self, inputs: list[dict[str, Any]], G: int, metrics: dict[str, list[float]]) -> Rollout:
-        """Tokenize, generate and score this process's rows; record the round's metrics into `metrics`."""
+        """Sample and score this process's rows; record the round's metrics into `metrics`."""
         accelerator = self.accelerator
-        prompts = [row["prompt"] for row in inputs]
+        prompts = [row.get("prompt") for row in inputs]  # None: an environment's reset gives it
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
-        sampled, is_truncated, sampling_logps, is_prompt_truncated = self.sample(prompts, columns)  # may add columns
-        lengths = sampled.completion_mask.sum(dim=1)  # [B]
+        self.num_generate_calls += 1
+        sampled = self.sampler.sample(prompts, columns)  # may add columns (rollout_func's, `environments`)
+        prompts = sampled.prompts or prompts
         failure = None
         try:
-            rewards, texts, errors, logs = self.score(prompts, columns, sampled.completion_ids, lengths)  # [B, R]
+            rewards, texts, errors, logs = self.score(prompts, columns, sampled)  # [B, R]
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
             failure = error
         stop_together(failure, accelerator, "computing rewards")
@@ -280,73 +262,39 @@ class ExperienceMaker:
             for name in self.rewards.names:
                 metrics[f"rewards/{name}/errors"].append(float(sum_over_processes(accelerator, errors.get(name, 0))))
         self.metrics.add_logged(metrics, logs.metrics, accelerator)
-        self._record_lengths(metrics, lengths, is_truncated, is_prompt_truncated)
+        self._record_lengths(metrics, sampled)
         extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
-        if self.processor is not None and self.args.log_completions and self.args.log_multimodal:
+        if self.is_vlm and self.args.log_completions and self.args.log_multimodal:
             for i, row in enumerate(extra):  # log_multimodal: each row's images go to the completions log
                 row["images"] = row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns})
         return Rollout(
-            **sampled.tokens(),
-            is_truncated=is_truncated,
+            **sampled.tokens.tokens(),
+            is_truncated=sampled.is_truncated,
             prompts=prompts,
             texts=texts,
             rewards=rewards,
             all_rewards=all_rewards,
             combined_rewards=combined,
             extra=extra,
-            sampling_logps=sampling_logps,
+            sampling_logps=sampled.sampling_logps,
         )
 
-    def _record_lengths(self, metrics, lengths: Tensor, is_truncated: Tensor, is_prompt_truncated: Tensor) -> None:
+    def _record_lengths(self, metrics, sampled: Sampled) -> None:
+        """Completion lengths (the model's tokens: tool replies not counted, as TRL), truncation, and with tools
+        `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed calls per call)."""
         accelerator = self.accelerator
-        float_lengths = accelerator.gather(lengths).float()  # [N]
+        float_lengths = accelerator.gather(sampled.tokens.completion_mask.sum(dim=1)).float()  # [N]
         metrics["completions/mean_length"].append(float_lengths.mean().item())
         metrics["completions/min_length"].append(float_lengths.min().item())
         metrics["completions/max_length"].append(float_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(accelerator.gather(is_truncated).float().mean().item())
-        truncated_prompts = sum_over_processes(accelerator, int(is_prompt_truncated.sum()))
+        metrics["completions/clipped_ratio"].append(accelerator.gather(sampled.is_truncated).float().mean().item())
+        truncated_prompts = sum_over_processes(accelerator, int(sampled.is_prompt_truncated.sum()))
         metrics["prompts/num_truncated"].append(float(truncated_prompts))
-
-    def sample(self, prompts: list, columns: dict[str, list]) -> tuple[Sequences, Tensor, Tensor | None, Tensor]:
-        """This process's tokens (`Sequences`), `is_truncated` [B], the sampler's log-probs [B, T] where the engine
-        has them (vLLM), and which prompts were truncated [B]. From the rollout engine, or from `rollout_func` (TRL's
-        contract, `rollout.custom`): its extra fields join `columns`."""
-        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
-        self.num_generate_calls += 1
-        if self.rollout_func is not None:
-            eos = self.generation.eos_token_ids
-            tokens, is_truncated, extra = rollout_from_func(
-                self.rollout_func, prompts, pad_token_id=pad, eos_token_ids=eos, device=device
-            )
-            columns.update(extra)
-            return tokens, is_truncated, None, torch.zeros(len(prompts), dtype=torch.bool)
-        prompt_ids, prompt_mask, is_prompt_truncated, image_inputs = self.tokenize(prompts, columns)
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-        with self.model_for_generation() as unwrapped:
-            engine = self.engine_for(unwrapped)
-            completion_ids, completion_mask, is_truncated = engine.generate(
-                unwrapped, prompt_ids, prompt_mask, **({"images": image_inputs} if image_inputs else {})
-            )
-        sampling_logps = getattr(engine, "sampling_logps", None)  # [B, T] the sampler's own (vllm)
-        if sampling_logps is not None and sampling_logps.shape == completion_mask.shape:
-            sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
-        else:
-            sampling_logps = None
-        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=image_inputs)
-        return tokens, is_truncated, sampling_logps, is_prompt_truncated
-
-    def tokenize(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
-        """prompt_ids, prompt_mask [B, P], is_prompt_truncated [B] and, for a VLM, each row's image inputs (None when
-        no row has images): by the processor with each row's `image`/`images` (`rollout.vision`), else the
-        tokenizer."""
-        settings = (self.args.max_prompt_length, self.generation.chat_template_kwargs)
-        if self.processor is None:
-            return *tokenize_prompts(self.tokenizer, prompts, *settings), None
-        images = [row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))]
-        ids, mask, truncated, image_inputs = tokenize_vision_prompts(self.processor, prompts, images, *settings)
-        on_device = {id(r): {k: v.to(self.accelerator.device) for k, v in r.items()} for r in image_inputs if r}
-        image_inputs = [on_device[id(r)] if r else None for r in image_inputs]  # a group's rows still share one
-        return ids, mask, truncated, (image_inputs if has_images(image_inputs) else None)
+        if sampled.tool_calls is not None:
+            calls = sum_over_processes(accelerator, sampled.tool_calls)
+            failures = sum_over_processes(accelerator, sampled.tool_failures)
+            metrics["tools/call_frequency"].append(calls / float_lengths.numel())
+            metrics["tools/failure_frequency"].append(failures / calls if calls else 0.0)
 
     def pad_multiple(self) -> int | None:
         """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""
@@ -355,17 +303,22 @@ class ExperienceMaker:
             return 128 if self.accelerator.device.type == "neuron" else None
         return value
 
-    def score(self, prompts, columns, completion_ids, lengths):
+    def score(self, prompts, columns, sampled: Sampled):
         """Rewards [B, R] (NaN = None) of each completion, its text, the error counts of skipped rewards, and what the
         reward functions logged through `log_extra` / `log_metric` (`rewards.calling.RewardLogs`).
 
-        Reward functions see the text (and ids) of each completion up to and including its EOS; with
-        conversational prompts the completion is one assistant message.
+        Reward functions see the ids (and text) of each completion up to and including its last EOS, tool replies
+        included; with conversational prompts the completion is its chat messages: one assistant message, or a tool
+        episode's assistant turns and tool replies.
         """
-        completion_id_lists = [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist(), strict=True)]
+        lengths = sampled.tokens.attention_mask.sum(dim=1).tolist()  # [B]
+        ids = sampled.tokens.completion_ids
+        completion_id_lists = [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]
         texts = self.tokenizer.batch_decode(completion_id_lists, skip_special_tokens=True)
         completions = texts
-        if is_conversational(prompts[0]):
+        if sampled.messages is not None:
+            completions = sampled.messages
+        elif is_conversational(prompts[0]):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
         reward_rows, errors = compute_rewards(
             self.rewards.funcs,
@@ -391,47 +344,15 @@ class ExperienceMaker:
             )
         return rewards, texts, errors, logs
 
-    # ---- the rollout engine ------------------------------------------------------------------------------------
-    def engine_for(self, model: nn.Module) -> RolloutEngine:
-        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
-        if self.engine is None:
-            self.engine, why = make_engine(
-                self.args.rollout_engine,
-                model,
-                self.generation.generation_config,
-                self.generation.eos_token_ids,
-                sharded=self.generation.sharded,
-                autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
-                args=self.args,  # for the engines that take settings from it (vllm)
-                accelerator=self.accelerator,
-                blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
-            )
-            logger.info(why)
-        return self.engine
+    # ---- the rollout engine (`rollout.sampler.Sampler` owns it) ----------------------------------------------------
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The rollout engine, once the first rollout has chosen it."""
+        return self.sampler.engine
 
     def weights_updated(self, model: nn.Module) -> None:
         """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
-        if self.engine is not None:
-            self.engine.on_weights_updated(model)
-
-    @contextlib.contextmanager
-    def model_for_generation(self):
-        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper); under
-        FSDP2 once for the whole rollout (`parallel.fsdp2_gathered`), not in every forward (every token).
-
-        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
-        """
-        wrapped = self.models.wrapped()
-        if is_zero3(self.accelerator):
-            from trl.models.utils import unwrap_model_for_generation
-
-            with unwrap_model_for_generation(wrapped, self.accelerator) as unwrapped:
-                yield unwrapped
-        elif is_fsdp2(self.accelerator):
-            with fsdp2_gathered(wrapped):
-                yield self.accelerator.unwrap_model(wrapped)
-        else:
-            yield self.accelerator.unwrap_model(wrapped)
+        self.sampler.weights_updated(model)
 
     # ---- dynamic sampling ----------------------------------------------------------------------------------------
     def keep_groups_with_signal(self, first: Rollout, G: int) -> tuple[Rollout, Tensor]:

@@ -2,7 +2,8 @@
 
 Functions of `(model, batch, ...)`, testable without a trainer. A batch is a `rollout.batching.Sequences` (or a
 `MicroBatch`, which is one): `prompt_ids`, `prompt_mask` [B, P] (left-padded) and `completion_ids`, `completion_mask`
-[B, T].
+[B, T]; a multi-turn episode's tool output inside the completion (`context_mask`) is attended to like the rest
+(`Sequences.attention_mask`), and gets log-probs the loss then leaves out.
 
 The tricks, each exact (same maths as one padded forward, float rounding aside):
 
@@ -143,9 +144,9 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
     base = base_model(model)  # PEFT layers live inside the base model
     decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
-    completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
+    completion_ids = batch.completion_ids
     P = prompt_ids.size(1)
-    lengths = completion_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs
+    lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs (tool output included)
     for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
         image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
@@ -204,9 +205,9 @@ def padded_logps(
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
-    completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
+    completion_ids = batch.completion_ids
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
+    attention_mask = torch.cat([prompt_mask, batch.attention_mask], dim=1)  # [B, P + T], tool output included
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
     vision = forward_kwargs(model, input_ids, batch.image_inputs)  # a VLM's rows' images (or their features)
     if vision and uses_mrope(model):

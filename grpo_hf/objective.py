@@ -61,6 +61,7 @@ class Objective:
             num_items=batch.num_items_in_batch if train else mask.sum(),
             policy_mask=policy_mask,
             sampling_weight=sampling_weight,
+            off_policy_logps=batch.sampling_logps,  # the off-policy mask's reference where the sampler gave it
         )
         metrics.update(sampling_metrics)
         if train and LOSS_VARIANTS[settings.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens

@@ -33,7 +33,7 @@ from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import write_completions
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import off_policy_mask
-from grpo_hf.experience import ExperienceMaker, Generation, Models, RewardSet
+from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
@@ -41,9 +41,10 @@ from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_c
 from grpo_hf.objective import Objective
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.rewards import reward_func_name
-from grpo_hf.rewards.models import build_reward_funcs, reward_processing_classes_of, reward_weights
+from grpo_hf.rewards.models import reward_processing_classes_of, reward_sources
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
+from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
+from grpo_hf.tooling import train_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,29 +54,20 @@ RewardFunc = Callable[..., list] | str | PreTrainedModel
 class GRPOTrainer(AtomicCheckpoints, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
-    Args:
-        model: a Hub id or local path (loaded with `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a
-            vision-language model; `args.model_init_kwargs`), or a `PreTrainedModel`.
-        reward_funcs: one or a list of: a callable with the TRL reward signature
-            `fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]`,
-            a registry name (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a
-            sequence-classification `PreTrainedModel`, or a path/Hub id of one.
+    Args (TRL 1.16's, in TRL's order; docs/design.md, "The public contract"):
+        model: a Hub id or local path (`AutoModelForCausalLM`; a VLM's `AutoModelForImageTextToText`;
+            `args.model_init_kwargs`), a `PreTrainedModel`, or a `PeftModel`.
+        reward_funcs: one or a list of: a callable with TRL's reward signature `fn(prompts, completions,
+            completion_ids, trainer_state, **columns) -> list[float | None]`, a registry name
+            (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a reward model or its path / Hub id.
         args: a `GRPOConfig`.
-        train_dataset: a `datasets.Dataset` with a `prompt` column (text, or a list of chat
-            messages); every other column reaches the reward functions as a keyword argument. A stream
-            (`datasets.IterableDataset`) works too, with `max_steps` set (`grpo_hf.streams`).
-        eval_dataset: same format, or a dict of them; evaluated by sampling `num_generations_eval` completions per
-            prompt.
-        processing_class: the tokenizer, or a VLM's processor (rows then carry `image`/`images`: docs/vision.md);
-            loaded from `model` when None.
-        reward_processing_classes: tokenizers for reward models (one per reward function, None
-            entries load the reward model's own).
-        peft_config: a `peft.LoraConfig` (or any PEFT config): train adapters only. The reference
-            model is then the same model with its adapters disabled, not a second copy.
-        callbacks, optimizers: as for `transformers.Trainer`.
-        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict` with `prompt_ids`, `completion_ids` and
-            `logprobs` (one list per prompt row) and extra fields for the reward functions: it replaces the
-            rollout engine (`grpo_hf.rollout.custom`).
+        train_dataset, eval_dataset: `datasets.Dataset`s (or streams, `grpo_hf.streams`) with a `prompt` column,
+            text or chat messages; every other column reaches the reward functions. eval_dataset may be a dict.
+        processing_class, reward_processing_classes: the tokenizer or VLM processor (None: `model`'s), one per reward.
+        callbacks, optimizers: as for `transformers.Trainer`. peft_config: train adapters only (`peft`).
+        tools, environment_factory: functions the model may call in multi-turn episodes; a class (or a dict name ->
+            class) of stateful environments, one per episode, whose methods are tools (docs/tools.md).
+        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict`, which replaces sampling (`rollout.custom`).
     """
 
     _tag_names = ["grpo", "grpo_hf"]
@@ -100,7 +92,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        validation.check_not_yet_supported(quantization=quantization_config, tools=tools, env=environment_factory)
+        validation.check_not_yet_supported(quantization=quantization_config)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
@@ -114,14 +106,13 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             gradient_checkpointing=args.gradient_checkpointing,
         )
         validation.check_policy_model(model, processing_class, peft_config)
+        self.agentic = ToolSetup.build(tools, environment_factory, processing_class)  # None: no tools, no environments
+        train_dataset = train_rows(train_dataset, environment_factory, args)
         max_positions = validation.model_max_positions(model)
-        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions)
+        envs = self.agentic is not None and self.agentic.environments is not None  # their reset() writes prompts
+        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions, envs)
         streams.configure_args(args, train_dataset, eval_dataset)  # before Trainer builds the accelerator
-
-        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
-        self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
-        self.reward_weights = reward_weights(args.reward_weights, self.reward_func_names)
+        self._init_rewards(reward_funcs, reward_processing_classes, args, columns)
 
         if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
             checkpoint.check_writable(args.output_dir)
@@ -142,6 +133,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self._init_state(args, rollout_func)
 
     # ---- construction helpers --------------------------------------------------------------------------------
+    def _init_rewards(self, reward_funcs, reward_processing_classes, args: GRPOConfig, columns: dict) -> None:
+        """The reward functions, their names and weights [R] (`rewards.models.reward_sources`): `reward_funcs`, then
+        the reward of each environment that owns one."""
+        owned, added = (self.agentic.reward_funcs(), ["environments"]) if self.agentic is not None else ([], [])
+        funcs, names, weights = reward_sources(reward_funcs, reward_processing_classes, args, owned)
+        self.reward_funcs, self.reward_func_names, self.reward_weights = funcs, names, weights
+        columns = {name: [*dataset_columns, *added] for name, dataset_columns in columns.items()}
+        validation.check_reward_funcs(self.reward_funcs, self.reward_func_names, columns)
+
     def _init_state(self, args: GRPOConfig, rollout_func=None) -> None:
         """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
         the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
@@ -180,21 +180,22 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     def _experience_maker(self, rollout_func) -> ExperienceMaker:
         """The rollouts, given what they use: the trainer's own state is read through these functions only."""
-        zero3 = is_zero3(self.accelerator)
+        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+        generation = Generation(self.generation_config, self.eos_token_ids, self.chat_template_kwargs, sharded)
+        bound = None if rollout_func is None else (lambda prompts: rollout_func(prompts, self))
+        wrapped = lambda: self.model_wrapped  # noqa: E731
+        sampler = Sampler(self.args, self.accelerator, self.processing_class, generation, wrapped, bound, self.agentic)
         return ExperienceMaker(
             self.args,
             self.accelerator,
             self.processing_class,
             rewards=RewardSet(self.reward_funcs, self.reward_func_names, self.reward_weights),
-            models=Models(policy=lambda: self.model, wrapped=lambda: self.model_wrapped, reference=self.ref_model),
+            models=Models(policy=lambda: self.model, reference=self.ref_model),
             logps=self.logps,
             guard=self.guard,
             metrics=self._metrics,
             state=lambda: self.state,
-            generation=Generation(
-                self.generation_config, self.eos_token_ids, self.chat_template_kwargs, self.is_fsdp_enabled or zero3
-            ),
-            rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
+            sampler=sampler,
             train_rows=lambda: self._remove_unused_columns(self.train_dataset, description="training"),
         )
 
@@ -233,8 +234,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
-        # With remove_unused_columns=True keep only the prompt and its images (the model's forward signature is moot).
-        if self._signature_columns is None:
+        if self._signature_columns is None:  # remove_unused_columns=True keeps the prompt and its images
             self._signature_columns = ["prompt", "image", "images"]
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:

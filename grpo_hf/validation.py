@@ -171,9 +171,12 @@ def check_policy_model(model, tokenizer, peft_config=None) -> None:
 
 
 # ---- datasets --------------------------------------------------------------------------------------------------
-def check_datasets(train_dataset, eval_dataset, tokenizer, args, model_max_positions: int | None) -> dict:
+def check_datasets(
+    train_dataset, eval_dataset, tokenizer, args, model_max_positions: int | None, environments: bool = False
+) -> dict:
     """Check the train dataset and every eval dataset (`check_dataset`). Returns {dataset name: its columns other
-    than 'prompt' that reach the reward functions} (none with `remove_unused_columns=True`)."""
+    than 'prompt' that reach the reward functions} (none with `remove_unused_columns=True`). With `environments`,
+    prompts may be empty: each environment's `reset` writes its episode's prompt."""
     if train_dataset is None:
         raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
     named = [("train_dataset", train_dataset)]
@@ -187,21 +190,27 @@ def check_datasets(train_dataset, eval_dataset, tokenizer, args, model_max_posit
     elif eval_dataset is not None:
         named.append(("eval_dataset", eval_dataset))
     return {
-        name: check_dataset(dataset, name, tokenizer, args, model_max_positions, is_train=name == "train_dataset")
+        name: check_dataset(
+            dataset, name, tokenizer, args, model_max_positions, name == "train_dataset", empty_ok=environments
+        )
         for name, dataset in named
     }
 
 
-def check_dataset(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train=True) -> list[str]:
+def check_dataset(
+    dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train=True, empty_ok: bool = False
+) -> list[str]:
     """One dataset: its type, columns and size, then one pass over its prompts (a stream: `_check_stream`). Returns
     its reward columns."""
     if streams.is_stream(dataset):
-        return _check_stream(dataset, name, tokenizer, args, model_max_positions, is_train)
+        return _check_stream(dataset, name, tokenizer, args, model_max_positions, is_train, empty_ok)
     _require_map_style(dataset, name)
-    return _check_rows(dataset, name, tokenizer, args, model_max_positions, is_train)
+    return _check_rows(dataset, name, tokenizer, args, model_max_positions, is_train, empty_ok)
 
 
-def _check_stream(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool) -> list[str]:
+def _check_stream(
+    dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool, empty_ok: bool = False
+) -> list[str]:
     """A stream (`datasets.IterableDataset`): what it needs from the config, then its first rows
     (`streams.STREAM_ROWS_CHECKED`) as a dataset's are checked; later rows are not read before training."""
     if args.accelerator_config.dispatch_batches:
@@ -230,10 +239,12 @@ def _check_stream(dataset, name: str, tokenizer, args, model_max_positions: int 
             "training could not make a step. Add prompts, or lower per_device_train_batch_size / "
             "steps_per_generation."
         )
-    return _check_rows(rows, name, tokenizer, args, model_max_positions, is_train=False)
+    return _check_rows(rows, name, tokenizer, args, model_max_positions, False, empty_ok)
 
 
-def _check_rows(dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool) -> list[str]:
+def _check_rows(
+    dataset, name: str, tokenizer, args, model_max_positions: int | None, is_train: bool, empty_ok: bool = False
+) -> list[str]:
     """A map-style dataset's (or a stream's first rows') size, columns and prompts."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
@@ -264,7 +275,7 @@ def _check_rows(dataset, name: str, tokenizer, args, model_max_positions: int | 
             "processing_class is a tokenizer, not a processor: pass the vision-language model's processor "
             "(AutoProcessor.from_pretrained(...)), or None to load the model's own (docs/vision.md)."
         )
-    indices, prompts = _scan_prompts(dataset, name, seed=args.seed)
+    indices, prompts = _scan_prompts(dataset, name, seed=args.seed, empty_ok=empty_ok)
     if is_conversational(prompts[0]) and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{name} holds chat prompts (lists of messages) but the tokenizer has no chat_template to render them. "
@@ -328,7 +339,7 @@ def _read_prompts(dataset, indices: Sequence[int], name: str) -> list:
     return prompts
 
 
-def _scan_prompts(dataset, name: str, seed: int) -> tuple[Sequence[int], list]:
+def _scan_prompts(dataset, name: str, seed: int, empty_ok: bool = False) -> tuple[Sequence[int], list]:
     """Check every prompt (a random sample of `MAX_ROWS_SCANNED` for larger datasets): type and content, and chat and
     plain prompts not mixed. Returns the row indices checked and their prompts."""
     n = len(dataset)
@@ -343,7 +354,7 @@ def _scan_prompts(dataset, name: str, seed: int) -> tuple[Sequence[int], list]:
     first_of_kind: dict[bool, int] = {}
     for index, prompt in zip(indices, prompts, strict=True):
         problem = _prompt_problem(prompt)
-        if problem is not None:
+        if problem is not None and not (empty_ok and problem[1] == _NO_CONTENT):
             raise (TypeError if problem[0] == "type" else ValueError)(
                 f"{name} row {index}: 'prompt' {problem[1]}. A prompt is a non-empty string, or a non-empty list of "
                 f"chat messages like {_CHAT_EXAMPLE} (roles: {', '.join(MESSAGE_ROLES)}). Fix or drop the row, e.g. "
@@ -357,6 +368,9 @@ def _scan_prompts(dataset, name: str, seed: int) -> tuple[Sequence[int], list]:
                 "[{'role': 'user', 'content': s}]."
             )
     return indices, prompts
+
+
+_NO_CONTENT = "has no message with any content"
 
 
 def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
@@ -380,7 +394,7 @@ def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
         if not isinstance(content, str) and _parts_problem(content) is not None:
             return "type", f"message {k} ({role}) has content {_parts_problem(content)}"
     if not any(_content_text(message["content"]).strip() or _has_image(message["content"]) for message in prompt):
-        return "value", "has no message with any content"
+        return "value", _NO_CONTENT
     return None
 
 

@@ -416,6 +416,26 @@ def test_hand_worked_off_policy_mask():
     torch.testing.assert_close(grad, torch.tensor(expected, dtype=F64) / 6, **TIGHT)
 
 
+def test_off_policy_mask_measures_the_drift_from_the_sampler_when_given():
+    """The hand-worked case above with pi_old = pi_theta (ratio 1) and the sampler's log-probs where its old_logps
+    were: the mask reads log(pi_sampler / pi_theta) as TRL does, so row 0 (A < 0, mean drift 0.6 > 0.5) is dropped
+    from the policy term; rows 1 (drift 0.5, kept) and 2 (A > 0) keep theirs. Without the sampler's log-probs the
+    same call drops nothing (on-policy)."""
+    logps = torch.zeros(3, 2, dtype=F64, requires_grad=True)
+    sampler = torch.tensor([[0.6, 0.6], [0.4, 0.6], [0.6, 0.6]], dtype=F64)
+    A, mask = torch.tensor([-1.0, -1.0, 1.0], dtype=F64), torch.ones(3, 2, dtype=F64)
+    kwargs = dict(epsilon=0.9, beta=0.0, off_policy_mask_threshold=0.5)
+    loss, _ = grpo_loss(logps, None, None, A, mask, off_policy_logps=sampler, **kwargs)
+    loss.backward()
+    # ratio 1: d(-J)/dlogp = -A_i M_i / (|o_i| N), M = (0, 1, 1)
+    expected = torch.tensor([[0.0, 0.0], [1.0, 1.0], [-1.0, -1.0]], dtype=F64) / 6
+    torch.testing.assert_close(logps.grad, expected, **TIGHT)
+    assert loss.item() == pytest.approx(-(0.0 - 1.0 + 1.0) / 3, abs=1e-12)
+    logps.grad = None
+    grpo_loss(logps, None, None, A, mask, **kwargs)[0].backward()  # no sampler: every row kept
+    torch.testing.assert_close(logps.grad, -A[:, None] * mask / 6, **TIGHT)
+
+
 @pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_on_policy_gradient_is_plain_policy_gradient(loss_type, level):

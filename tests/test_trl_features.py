@@ -609,7 +609,8 @@ def test_rollout_func_replaces_the_engine(tmp_path, tokenizer):
     [
         (lambda out: out.pop("logprobs"), r"rollout_func must return keys \['logprobs'\] in its output dict\."),
         (lambda out: out["completion_ids"].pop(), "rollout_func returned 3 completion_ids for 4 prompt rows"),
-        (lambda out: out.update(env_mask=[[1]] * 4), "'env_mask'"),
+        (lambda out: out.update(env_mask=[[1]] * 4), r"rollout_func returned env_mask\[0\] with 1 values for 2"),
+        (lambda out: out["logprobs"].pop(), "rollout_func returned 3 logprobs for 4 prompt rows"),
         (lambda out: out.update(source=["x"]), "rollout_func returned 'source' with 1 values for 4 rows"),
     ],
 )

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 from test_fast_paths import assert_draws_follow_the_model
 from transformers import GenerationConfig
@@ -141,7 +141,7 @@ def test_sampling_follows_the_models_distribution(trained, tokenizer):
 
 def _sharing(trainer, engine):
     """`trainer` with the module's engine (one vLLM start per module); it pushes `trainer`'s weights next."""
-    trainer.experience.engine = engine
+    trainer.experience.sampler.engine = engine
     engine.on_weights_updated(trainer.model)
     return trainer
 
@@ -173,6 +173,57 @@ def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, t
             pad_token_id=tokenizer.pad_token_id,
         )[:, -8:]
     assert not torch.equal(reference[:, :8], base_tokens), "the adapters must change the greedy tokens here"
+    engine.on_weights_updated(None)
+
+
+SHORT_TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_episodes_on_vllm_keep_the_sampled_ids_and_vllms_log_probs(trained, tmp_path):
+    """A tool episode on the vLLM engine: every first turn is read as a call of `add` (the reading is scripted, the
+    sampling is vLLM's; an odd token id ends a turn). The sampler's log-probs are vLLM's on the sampled tokens (the
+    trainer's to 1e-4: the turns were sampled after the very ids the rows hold) and 0 on the replies, which the
+    importance ratio leaves out."""
+    from test_tools import add, call_of, one_rollout
+
+    engine, tokenizer = trained[0].rollout, build_tiny_tokenizer()
+    # A short template that renders tool calls (the module's engine holds 520 positions); the reading is scripted
+    tokenizer.chat_template = SHORT_TOOL_TEMPLATE
+    tokenizer.response_template = "scripted"  # parse_response is not called: the test reads each turn itself
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=48,
+        max_prompt_length=None, beta=0.0, use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to="none",
+        save_strategy="no",
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 1 + 2?"}]] * 2})
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True)
+    trainer = GRPOTrainer(
+        model, lambda completions, **_: [0.0] * 4, args, train_dataset=dataset, processing_class=tokenizer, tools=[add]
+    )
+    _sharing(trainer, engine)
+    first = {"role": "assistant", "content": "", "tool_calls": [call_of("add", a=1, b=2)]}
+    trainer.experience.sampler.episodes.parse = lambda tok, ids, context, tools: (
+        {"role": "assistant", "content": "x"} if "<tool_response>" in tok.decode(context) else first
+    )
+    odd = [i for i in range(len(tokenizer)) if i % 2 == 1]  # half the tokens end a turn: short turns, many replies
+    eos, engine.eos_token_ids = engine.eos_token_ids, odd
+    trainer.experience.sampler.episodes.eos_token_ids = set(odd)
+    try:
+        (batch,) = one_rollout(trainer)
+    finally:
+        engine.eos_token_ids = eos
+    assert bool(batch.context_mask.sum(dim=1).gt(0).all())  # each first turn ended with its EOS and got a reply
+    assert bool((batch.sampling_logps[batch.context_mask.bool()] == 0).all())
+    with torch.no_grad():
+        logps, _ = completion_logps(trainer.model.eval(), batch, share_prefix=False)
+    sampled = batch.completion_mask.bool()
+    gap = (logps - batch.sampling_logps)[sampled].abs().max().item()
+    assert gap < 1e-4, gap
     engine.on_weights_updated(None)
 
 

@@ -132,6 +132,7 @@ def grpo_loss(
     vespo_lambda_neg: float = 2.0,
     policy_mask: Tensor | None = None,
     sampling_weight: Tensor | None = None,
+    off_policy_logps: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, KL-regularised GRPO loss of docs/design.md ("The maths") and its metrics: returns `(-J, metrics)`.
 
@@ -160,7 +161,11 @@ def grpo_loss(
     _check_inputs(logps, old_logps, ref_logps, advantages, completion_mask, policy_mask, settings)
     tensors = (logps, old_logps, ref_logps, advantages, completion_mask, settings)
     return grpo_loss_with(
-        *tensors, num_items=num_items_in_batch, policy_mask=policy_mask, sampling_weight=sampling_weight
+        *tensors,
+        num_items=num_items_in_batch,
+        policy_mask=policy_mask,
+        sampling_weight=sampling_weight,
+        off_policy_logps=off_policy_logps,
     )
 
 
@@ -175,6 +180,7 @@ def grpo_loss_with(
     num_items: int | float | Tensor | None = None,
     policy_mask: Tensor | None = None,
     sampling_weight: Tensor | None = None,
+    off_policy_logps: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """`grpo_loss` with settings that were checked when they were built: it checks nothing (the trainer's form).
 
@@ -185,6 +191,8 @@ def grpo_loss_with(
     `completion_mask.sum()`). policy_mask `[N, T]`: the tokens whose policy term counts (`high_entropy_mask`; the KL
     and every normaliser keep `completion_mask`, TRL), not with "sequence_sum". sampling_weight `[N, T]` or
     `[N, 1]`: pi_old / pi_sampler (`sampling_importance_weights`), on the policy term only (TRL's vLLM correction).
+    off_policy_logps `[N, T]`: the log-probs of the policy that sampled (vLLM's, `rollout_func`'s), which the
+    off-policy mask then measures the drift from instead of old_logps (TRL).
     old_logps, ref_logps, advantages are detached; computed in the dtype of `logps`. Metrics (floats, TRL names):
     "kl" when beta != 0 (after the bias correction), and the loss type's ("clip_ratio/low_mean", "high_mean",
     "region_mean" for the clip family, "cispo_clip_ratio", "vespo/phi_seq_mean"; none for "sapo").
@@ -198,8 +206,9 @@ def grpo_loss_with(
 
     variant = LOSS_VARIANTS[settings.loss_type]
     objective, values = variant.surrogate(ratio, advantages, logps, log_ratio, mask, settings)  # [N, T] or [N, 1]
-    if settings.off_policy_mask_threshold is not None:
-        objective = objective * off_policy_mask(log_ratio, advantages, mask, settings.off_policy_mask_threshold)
+    if settings.off_policy_mask_threshold is not None:  # the drift from the sampler where known, else from pi_old
+        drift = log_ratio if off_policy_logps is None else logps - off_policy_logps.detach().to(logps.dtype)
+        objective = objective * off_policy_mask(drift, advantages, mask, settings.off_policy_mask_threshold)
     if policy_mask is not None:  # e.g. top_entropy_quantile: the policy term of the high-entropy tokens only
         objective = objective * _token_mask(policy_mask, settings.per_sequence, objective.dtype)  # [N, T]
     if sampling_weight is not None:  # the sampler was not exactly pi_old (vLLM): reweight its samples

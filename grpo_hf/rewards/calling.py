@@ -20,7 +20,6 @@ import inspect
 import logging
 import math
 import numbers
-import os
 import threading
 import time
 import warnings
@@ -28,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from grpo_hf.background import event_loop
 from grpo_hf.rewards.functions import reward_func_name
 
 logger = logging.getLogger(__name__)
@@ -162,25 +162,8 @@ def _is_async(func: Any) -> bool:
     return inspect.iscoroutinefunction(func) or (callable(func) and inspect.iscoroutinefunction(func.__call__))
 
 
-# A persistent event loop in a daemon thread runs the async reward functions, so they work from any thread, with or
-# without a running loop there, and clients bound to the loop (e.g. aiohttp sessions) survive between steps.
-_LOOP_LOCK = threading.Lock()
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_PID: int | None = None
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    global _LOOP, _LOOP_PID
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP_PID != os.getpid() or _LOOP.is_closed():  # new process after fork: new loop
-            _LOOP = asyncio.new_event_loop()
-            _LOOP_PID = os.getpid()
-            threading.Thread(target=_LOOP.run_forever, name="grpo_hf-reward-loop", daemon=True).start()
-        return _LOOP
-
-
 def _run_coroutine(coro) -> Any:
-    return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()
+    return asyncio.run_coroutine_threadsafe(coro, event_loop()).result()  # the process's loop (`grpo_hf.background`)
 
 
 async def _await_with_timeout(awaitable, timeout: float | None) -> Any:

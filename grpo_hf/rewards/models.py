@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from grpo_hf.paths import check_local_path
 from grpo_hf.rewards.answers import completion_text
-from grpo_hf.rewards.functions import get_reward_funcs, names_a_reward_model
+from grpo_hf.rewards.functions import get_reward_funcs, names_a_reward_model, reward_func_name
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,21 @@ def reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tenso
             "Give one weight per function."
         )
     return torch.tensor(weights or [1.0] * len(names), dtype=torch.float32)
+
+
+def reward_sources(reward_funcs, reward_processing_classes, args, owned: list[Callable]):
+    """A run's reward functions, their names and weights [R]: `reward_funcs` (built by `build_reward_funcs`,
+    weighted by `args.reward_weights`), then `owned` (an environment's own rewards, weight 1 each, as TRL). With
+    `owned` rewards, `reward_funcs` may be None."""
+    none_given = reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs)
+    funcs = (
+        []
+        if owned and none_given
+        else build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
+    )
+    names = [reward_func_name(f) for f in funcs]
+    weights = torch.cat([reward_weights(args.reward_weights, names), torch.ones(len(owned))])
+    return funcs + list(owned), names + [f.__name__ for f in owned], weights
 
 
 def reward_processing_classes_of(reward_funcs: list) -> list:

@@ -35,7 +35,10 @@ class Sequences:
     prompt_ids: Tensor  # [B, P] long, left-padded
     prompt_mask: Tensor  # [B, P] long, 1 on prompt tokens
     completion_ids: Tensor  # [B, T] long, right-padded
-    completion_mask: Tensor  # [B, T] long, 1 on the tokens up to and including EOS: attended to and in the loss
+    completion_mask: Tensor  # [B, T] long, 1 on the sampled tokens up to and including the last EOS: the loss
+    # [B, T] long, 1 on tokens inside the completion that the model read but did not sample (tool results, environment
+    # feedback of a multi-turn episode): attended to, out of the loss. None: there are none.
+    context_mask: Tensor | None = field(default=None, kw_only=True)
     # [B] a vision-language model's rows' image inputs (`grpo_hf.vision.ImageRow`, one dict shared by a group's rows;
     # None for a text-only row), or None when no row has images (`rollout.vision`)
     image_inputs: list | None = field(default=None, kw_only=True)
@@ -43,13 +46,19 @@ class Sequences:
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
-    def tokens(self) -> dict[str, Tensor]:
-        """The four token tensors by name, and the rows' image inputs (of a `Rollout` or `MicroBatch` too: what a new
-        batch is built from)."""
+    @property
+    def attention_mask(self) -> Tensor:
+        """[B, T] the completion tokens a forward reads: the sampled ones and, in an episode, the tool output between
+        them (a contiguous run from the first column)."""
+        return self.completion_mask if self.context_mask is None else self.completion_mask + self.context_mask
+
+    def tokens(self) -> dict[str, Tensor | list | None]:
+        """The token tensors and the rows' image inputs by name (of a `Rollout` or `MicroBatch` too: what a new batch
+        is built from)."""
         return {f.name: getattr(self, f.name) for f in fields(Sequences)}
 
     def rows(self, start: int, stop: int) -> Sequences:
-        """Rows [start, stop) of the four token tensors and the image inputs, as plain `Sequences`."""
+        """Rows [start, stop) of the token tensors and the image inputs, as plain `Sequences`."""
         return Sequences(**{name: _rows_of(value, start, stop) for name, value in self.tokens().items()})
 
 
@@ -98,6 +107,7 @@ class MicroBatch(Sequences):
 _COMPLETION_COLUMNS = {
     "completion_ids": None,  # the pad token
     "completion_mask": 0,
+    "context_mask": 0,
     "old_logps": 0.0,
     "ref_logps": 0.0,
     "sampling_logps": 0.0,
@@ -115,7 +125,7 @@ def split_into_micro_batches(
         part = replace(batch, **_tensor_rows(batch, start, start + size))
         used_p = part.prompt_mask.any(dim=0).nonzero()  # [k, 1] prompt columns some row uses
         first = int(used_p.min()) if used_p.numel() else 0
-        used_c = part.completion_mask.any(dim=0).nonzero()
+        used_c = part.attention_mask.any(dim=0).nonzero()
         last = int(used_c.max()) + 1 if used_c.numel() else 1
         part.prompt_ids, part.prompt_mask = part.prompt_ids[:, first:], part.prompt_mask[:, first:]
         for name in _COMPLETION_COLUMNS:

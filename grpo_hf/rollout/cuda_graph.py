@@ -378,6 +378,7 @@ class CUDAGraphEngine(RolloutEngine):
 
     name = "cuda_graph"
     options = ("compile", "autocast")
+    fixed_length = True  # one captured graph per length: a tool episode's shorter turns are cut, not recaptured
     prompt_bucket = 64
     check_every = 16
     max_row_padding = 4

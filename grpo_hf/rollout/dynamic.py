@@ -28,7 +28,7 @@ Rows = dict[str, Any]
 
 # How each padded tensor is padded when rounds of different widths are stacked: prompts on the left.
 _LEFT_PADDED = ("prompt_ids", "prompt_mask")
-_RIGHT_PADDED = ("completion_ids", "completion_mask", "sampling_logps")
+_RIGHT_PADDED = ("completion_ids", "completion_mask", "context_mask", "sampling_logps")
 
 
 def groups_with_signal(total: Tensor, num_generations: int) -> Tensor:

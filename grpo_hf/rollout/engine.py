@@ -20,6 +20,7 @@ A named engine that does not apply falls back along the same chain from its own 
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -44,6 +45,9 @@ class RolloutEngine:
 
     name = "base"
     takes_images = False  # `sample` takes `images`: each row's image inputs (`grpo_hf.vision`), for VLMs
+    # True: every call samples up to the configured max_new_tokens whatever `generate` is asked (`cuda_graph`: one
+    # captured graph per length; a tool episode cuts each turn to its budget instead).
+    fixed_length = False
 
     def __init__(self, generation_config, eos_token_ids: Sequence[int]):
         self.generation_config = generation_config
@@ -66,16 +70,28 @@ class RolloutEngine:
         """Release what the engine holds beyond the process (vLLM: its engine and process groups). Idempotent."""
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> Completions:
-        """Completions of the prompt rows; `images`: each row's image inputs (`grpo_hf.vision.ImageRow`, None for a
+    def generate(
+        self,
+        model,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images=None,
+    ) -> Completions:
+        """`max_new_tokens`: this call's bound (a tool episode's next turn: what is left of max_completion_length);
+        None: the generation config's. `images`: each row's image inputs (`grpo_hf.vision.ImageRow`, None for a
         text-only row), given only to engines that take them (`takes_images`)."""
-        was_training = model.training
+        was_training, config = model.training, self.generation_config
+        if max_new_tokens is not None and max_new_tokens != config.max_new_tokens and not self.fixed_length:
+            self.generation_config = copy.copy(config)
+            self.generation_config.max_new_tokens = max_new_tokens
         model.eval()
         try:
             extra = {"images": images} if images is not None else {}
             completion_ids = self.sample(model, prompt_ids, prompt_mask, **extra)  # [N, T]
         finally:
             model.train(was_training)
+            self.generation_config = config
         pad = self.generation_config.pad_token_id
         if completion_ids.size(1) == 0:  # the model produced nothing at all
             N, device = prompt_ids.size(0), prompt_ids.device

@@ -11,8 +11,11 @@ sampled distribution is the configured one. On a GPU it is bound by kernel launc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -48,6 +51,15 @@ class LoopEngine(RolloutEngine):
             images=images,
             blocked_token_ids=self.blocked_token_ids,
         )
+
+    def decode_turns(self, model, source) -> None:
+        """Tool episodes' turns, each joining the batch at the next token step (`decode_turns`), in eval mode."""
+        was_training = model.training
+        model.eval()
+        try:
+            decode_turns(model, source, self.generation_config, self.eos_token_ids)
+        finally:
+            model.train(was_training)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -196,3 +208,140 @@ def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) 
         **{keyword: cache},
     )
     return output.logits[:, -1].float()
+
+
+# ---- tool episodes: turns that join the decoding batch at the next token step ---------------------------------------
+@dataclass
+class _Decoding:
+    """The rows being decoded, each a turn of an episode, in one KV cache: each row's context right-aligned (left
+    padding masked), so a row that joins later takes the columns up to the current end."""
+
+    keys: list  # [A] the source's key of each row
+    tokens: torch.Tensor  # [A, C] long: each row's context and sampled tokens, left-padded
+    mask: torch.Tensor  # [A, C] long: 1 on real tokens
+    budgets: torch.Tensor  # [A] long: the most tokens each row may sample in this turn
+    sampled: torch.Tensor  # [A] long: tokens sampled so far in this turn
+    turns: list[list[int]]  # [A] this turn's tokens so far
+    logps: list[list[float]]  # [A] their log-probs under the sampling distribution
+    logits: torch.Tensor  # [A, V] fp32: the next token's
+
+
+@torch.no_grad()
+def decode_turns(model, source, generation_config, eos_token_ids: Sequence[int]) -> None:
+    """Sample turns as `source` hands them out, each row joining the decoding batch at the next token step.
+
+    `source.poll(block)` gives the rows ready to sample a turn, as `(key, context ids, max new tokens)`; with
+    `block=True` (nothing left to decode) it waits until some are, and `[]` then means there are no more.
+    `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
+    the log-probs of its tokens under the sampling distribution; the row leaves the batch. The draw at each step is
+    the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once. Call it
+    in eval mode.
+    """
+    config = resolve_sampling_settings(model, generation_config)
+    device = next(model.parameters()).device
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    keyword, cache, rows = cache_keyword(model), None, None
+    uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
+    while True:
+        ready = source.poll(block=rows is None)
+        if ready:
+            cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
+        if rows is None:
+            return
+        scores = logits_processors(config, rows.mask)(rows.tokens, rows.logits)  # [A, V]
+        probs = torch.softmax(scores, dim=-1)
+        tokens = sample_categorical(probs, torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device))  # [A]
+        token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]
+        positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
+        rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
+        rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
+        rows.sampled += 1
+        finished = torch.isin(tokens, eos) | (rows.sampled >= rows.budgets)  # [A]
+        for turn, logps, token, logp in zip(
+            rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True
+        ):
+            turn.append(token)
+            logps.append(logp)
+        done = finished.tolist()
+        for key, turn, logps, is_done in zip(rows.keys, rows.turns, rows.logps, done, strict=True):
+            if is_done:
+                source.turn_done(key, turn, logps)
+        if all(done):
+            cache, rows = None, None
+            continue
+        if any(done):
+            keep = torch.nonzero(~finished).flatten()  # [A']
+            rows, tokens, positions = _take(rows, keep), tokens[keep], positions[keep]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
+
+
+def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device) -> tuple[Any, _Decoding]:
+    """Prefill the contexts of `ready` and add them to the batch: every row right-aligned to the longest context or
+    the batch's current length, whichever is longer (the batch's rows and cache padded on the left if needed)."""
+    keys, contexts, budgets = zip(*ready, strict=True)
+    width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, context in enumerate(contexts):
+        ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long, device=device)
+        mask[i, width - len(context) :] = 1
+    fresh = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [k, width] as `generate` numbers them
+    logits = (
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: fresh},
+        )
+        .logits[:, -1]
+        .float()
+    )  # [k, V]
+    new = _Decoding(
+        keys=list(keys),
+        tokens=ids,
+        mask=mask,
+        budgets=torch.tensor(budgets, device=device),
+        sampled=torch.zeros(len(keys), dtype=torch.long, device=device),
+        turns=[[] for _ in keys],
+        logps=[[] for _ in keys],
+        logits=logits,
+    )
+    if rows is None:
+        return fresh, new
+    missing = width - rows.tokens.size(1)  # the batch's rows, padded on the left to the new width
+    rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
+    rows.mask = nn.functional.pad(rows.mask, (missing, 0))
+    for layer, joined in zip(cache.layers, fresh.layers, strict=True):
+        old_keys, old_values = (nn.functional.pad(x, (0, 0, missing, 0)) for x in (layer.keys, layer.values))
+        layer.keys, layer.values = torch.cat([old_keys, joined.keys]), torch.cat([old_values, joined.values])
+    merged = _Decoding(
+        keys=rows.keys + new.keys,
+        tokens=torch.cat([rows.tokens, new.tokens]),
+        mask=torch.cat([rows.mask, new.mask]),
+        budgets=torch.cat([rows.budgets, new.budgets]),
+        sampled=torch.cat([rows.sampled, new.sampled]),
+        turns=rows.turns + new.turns,
+        logps=rows.logps + new.logps,
+        logits=torch.cat([rows.logits, new.logits]),
+    )
+    return cache, merged
+
+
+def _take(rows: _Decoding, keep: torch.Tensor) -> _Decoding:
+    """Rows `keep` of the batch (the others' turns have ended)."""
+    index = keep.tolist()
+    return _Decoding(
+        keys=[rows.keys[i] for i in index],
+        tokens=rows.tokens[keep],
+        mask=rows.mask[keep],
+        budgets=rows.budgets[keep],
+        sampled=rows.sampled[keep],
+        turns=[rows.turns[i] for i in index],
+        logps=[rows.logps[i] for i in index],
+        logits=rows.logits[keep],
+    )

@@ -42,16 +42,25 @@ def tokenize_prompts(
     prompts: Sequence[str | list[dict]],
     max_prompt_length: int | None = None,
     chat_template_kwargs: dict | None = None,
+    tools: Sequence[list | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode prompts once per run of identical consecutive prompts (a group), left-pad and left-truncate.
+    `tools`: per row, the tools the chat template describes in its prompt (tool episodes); None: no tools.
 
     Returns `prompt_ids [N, P]`, `prompt_mask [N, P]` and `is_prompt_truncated [N]` (bool).
     Special tokens are not added again: chat templates already contain them.
     """
-    # Runs of identical consecutive prompts: a group's G copies are encoded once.
-    starts = [i for i in range(len(prompts)) if i == 0 or prompts[i] != prompts[i - 1]]
+    tools = tools if tools is not None else [None] * len(prompts)
+    # Runs of identical consecutive prompts (with the same tools): a group's G copies are encoded once.
+    same = lambda i: prompts[i] == prompts[i - 1] and tools[i] == tools[i - 1]  # noqa: E731
+    starts = [i for i in range(len(prompts)) if i == 0 or not same(i)]
     counts = [b - a for a, b in zip(starts, starts[1:] + [len(prompts)], strict=True)]
-    texts = [prompt_text(tokenizer, prompts[i], chat_template_kwargs) for i in starts]
+    texts = [
+        prompt_text(
+            tokenizer, prompts[i], {**(chat_template_kwargs or {}), **({"tools": tools[i]} if tools[i] else {})}
+        )
+        for i in starts
+    ]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     truncated = []

@@ -161,7 +161,7 @@ def build_trainer(run_dir: Path, lora: bool = False, **settings) -> GRPOTrainer:
 def count_generation_gathers(trainer: GRPOTrainer) -> list[int]:
     """Record the FSDP2 all-gathers made inside each rollout's `model_for_generation` block, one entry per rollout."""
     counts: list[int] = []
-    original = trainer.experience.model_for_generation
+    original = trainer.experience.sampler.model_for_generation
 
     @contextmanager
     def counting():
@@ -170,7 +170,7 @@ def count_generation_gathers(trainer: GRPOTrainer) -> list[int]:
             yield model
         counts.append(AllGathers.count - before)
 
-    trainer.experience.model_for_generation = counting
+    trainer.experience.sampler.model_for_generation = counting
     return counts
 
 

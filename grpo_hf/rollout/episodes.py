@@ -1,0 +1,236 @@
+"""Multi-turn episodes: the model's turns and its tools' replies, as one completion of exact token ids.
+
+An episode is `[prompt][turn 1][tool reply][turn 2]...[turn k]`. Each turn is sampled by the rollout engine (any
+engine: `loop`, `generate`, `cuda_graph`, vLLM) with the ids so far as its prompt; when a turn ends with its EOS and
+asks for tools, the calls run (`tools.ToolCaller`) and the chat template's ids for their replies (`tools.
+tool_reply_ids`) are appended. Nothing is tokenised twice: a training row holds the ids the engine sampled and the
+ids the template gave the replies, so the log-probs of the loss are those of the tokens the model saw.
+
+Masks (`Episodes`): `completion_mask` is 1 on the sampled tokens (each turn's closing EOS included: a model that is
+never trained to end its turn never learns to stop), `context_mask` on the tool replies: attended to by the forward,
+out of the loss, its token counts, the sampler's importance ratio and the entropy statistics.
+
+Bounds: `max_completion_length` bounds the whole episode, turns and replies together. A reply that would fill it is
+dropped and the episode ends there, counted as truncated (`mask_truncated_completions` then masks it); a turn that
+reaches it without an EOS ends the episode, truncated. `max_tool_calling_iterations` (None: no limit) bounds the
+rounds of tool calls; a turn asking for more ends the episode as it is.
+
+Scheduling: tools of different episodes run at the same time, and no episode waits for the slowest. With an engine
+that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as soon as it ends and the
+episode's next turn joins the decoding batch at the next token step once they have returned. With the other engines
+(`run`), the turns of every episode ready to sample are sampled in one engine call; the runner then waits only until
+*some* tool calls have returned and samples those episodes' next turns, so a slow tool holds back its own episode and
+not the batch. Finished episodes leave the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo_hf.rollout.batching import pad_token_lists
+from grpo_hf.rollout.tools import ToolCaller, ToolCalls, parse_turn, tool_reply_ids
+
+# generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens) -> (completion_ids [n, T], completion_mask [n, T],
+# sampler log-probs [n, T] or None): one engine call.
+Generate = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass
+class Episodes:
+    """B episodes as training rows (completions right-padded), with what they did."""
+
+    completion_ids: torch.Tensor  # [B, T] long: turns and tool replies, in order
+    completion_mask: torch.Tensor  # [B, T] long: 1 on sampled tokens (the loss)
+    context_mask: torch.Tensor  # [B, T] long: 1 on tool-reply tokens (read, not trained)
+    is_truncated: torch.Tensor  # [B] bool: the episode hit max_completion_length
+    sampling_logps: torch.Tensor | None  # [B, T] the sampler's log-probs of sampled tokens, 0 elsewhere; None: none
+    messages: list[list[dict[str, Any]]]  # [B] the episode as chat messages: assistant turns and tool replies
+    tool_calls: int  # calls made, over the B episodes
+    tool_failures: int  # calls that failed (raised, unknown tool, bad arguments, timed out)
+
+
+@dataclass
+class _Episode:
+    """One episode while it runs."""
+
+    prompt: list[int]  # the prompt's ids (no padding)
+    tools: dict[str, Callable]  # name -> function, this episode's
+    ids: list[int] = field(default_factory=list)  # completion ids so far
+    sampled: list[int] = field(default_factory=list)  # per completion id: 1 sampled, 0 tool reply
+    logps: list[float] = field(default_factory=list)  # per completion id: the sampler's log-prob (0 on replies)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    rounds: int = 0  # rounds of tool calls so far
+    truncated: bool = False
+    calls: ToolCalls | None = None  # the calls in flight
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.ids
+
+
+class EpisodeRunner:
+    """Runs tool episodes on top of a rollout engine; see the module docstring."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_completion_length: int,
+        eos_token_ids: Sequence[int],
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.tokenizer, self.max_completion_length = tokenizer, max_completion_length
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_rounds = max_tool_calling_iterations
+        self.template_kwargs = template_kwargs or {}
+        self.caller = ToolCaller(tool_timeout)
+        self.parse = parse_turn  # (tokenizer, turn ids, context ids, tools) -> the assistant message of a turn
+        self._has_logps = False  # whether the engine gave its log-probs (vLLM)
+
+    def run(
+        self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
+    ) -> Episodes:
+        """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row)."""
+        episodes = self._start(prompt_ids, prompt_mask, tools)
+        ready, in_flight, counts = list(episodes), [], [0, 0]
+        while ready or in_flight:
+            if ready:
+                in_flight += self._sample_turns(generate, ready)
+                ready = []
+            if in_flight:
+                self.caller.wait_any([e.calls for e in in_flight])
+                ready, in_flight = self._take_replies(in_flight, counts)
+        return self._as_rows(episodes, prompt_ids.device, *counts)
+
+    def run_joining(
+        self, decode: Callable[[_Turns], None], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools
+    ) -> Episodes:
+        """`run` on an engine that decodes turns as they come (`decode(source)`, the `loop` engine's
+        `decode_turns`): a turn whose tools have returned joins the decoding batch at the next token step, and a
+        turn's tools start as soon as it ends."""
+        episodes = self._start(prompt_ids, prompt_mask, tools)
+        source = _Turns(self, episodes)
+        decode(source)
+        self._has_logps = False  # the engine's own draw: the policy's log-probs, nothing to correct
+        return self._as_rows(episodes, prompt_ids.device, *source.counts)
+
+    def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
+        return [
+            _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
+            for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
+        ]
+
+    def budget(self, episode: _Episode) -> int:
+        """The most tokens the episode's next turn may take."""
+        return self.max_completion_length - len(episode.ids)
+
+    def _sample_turns(self, generate: Generate, ready: list[_Episode]) -> list[_Episode]:
+        """Sample the next turn of each episode of `ready` in one engine call; start the tools of the turns that
+        ask for them and return those episodes."""
+        budgets = [self.budget(e) for e in ready]
+        ids, mask = pad_token_lists([e.context for e in ready], self.tokenizer.pad_token_id, left=True)
+        completion_ids, completion_mask, logps = generate(ids, mask, max(budgets))  # [n, T] each
+        self._has_logps = logps is not None
+        completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
+        logps = logps.cpu() if logps is not None else None
+        calling = []
+        for row, (episode, budget) in enumerate(zip(ready, budgets, strict=True)):
+            n = min(int(completion_mask[row].sum()), budget)
+            turn_logps = logps[row, :n].tolist() if logps is not None else [0.0] * n
+            if self.end_turn(episode, completion_ids[row, :n].tolist(), turn_logps):
+                calling.append(episode)
+        return calling
+
+    def end_turn(self, episode: _Episode, turn: list[int], logps: list[float]) -> bool:
+        """Append a sampled turn to its episode and read it: True when it asks for tools, whose calls start now."""
+        context = episode.context
+        episode.ids += turn
+        episode.sampled += [1] * len(turn)
+        episode.logps += logps
+        message = self.parse(self.tokenizer, turn, context, list(episode.tools.values()))
+        episode.messages.append(message)
+        if not turn or turn[-1] not in self.eos_token_ids:  # the budget ran out mid-turn
+            episode.truncated = True
+        elif message.get("tool_calls") and (self.max_rounds is None or episode.rounds < self.max_rounds):
+            episode.calls = self.caller.submit(message["tool_calls"], episode.tools)
+            return True
+        return False
+
+    def _take_replies(self, in_flight: list[_Episode], counts: list[int]) -> tuple[list[_Episode], list[_Episode]]:
+        """Append the replies of the episodes whose calls are done; return (episodes to sample, still calling)."""
+        now, ready, waiting = time.monotonic(), [], []
+        for episode in in_flight:
+            if not episode.calls.done(now):
+                waiting.append(episode)
+                continue
+            replies, failures = episode.calls.replies(self.caller.timeout)
+            counts[0] += len(replies)
+            counts[1] += failures
+            episode.calls, episode.rounds = None, episode.rounds + 1
+            reply_ids = tool_reply_ids(self.tokenizer, replies, self.template_kwargs)
+            if len(episode.ids) + len(reply_ids) >= self.max_completion_length:  # no room left to answer: drop it
+                episode.truncated = True
+                continue
+            episode.ids += reply_ids
+            episode.sampled += [0] * len(reply_ids)
+            episode.logps += [0.0] * len(reply_ids)
+            episode.messages += replies
+            ready.append(episode)
+        return ready, waiting
+
+    def _as_rows(self, episodes: list[_Episode], device, tool_calls: int, tool_failures: int) -> Episodes:
+        pad = self.tokenizer.pad_token_id
+        completion_ids, attended = pad_token_lists([e.ids for e in episodes], pad, left=False)  # [B, T] each
+        sampled, _ = pad_token_lists([e.sampled for e in episodes], 0, left=False)
+        T = completion_ids.size(1)
+        logps = torch.zeros((len(episodes), T), dtype=torch.float32)
+        for i, episode in enumerate(episodes):
+            logps[i, : len(episode.logps)] = torch.tensor(episode.logps, dtype=torch.float32)
+        return Episodes(
+            completion_ids=completion_ids.to(device),
+            completion_mask=sampled.to(device),
+            context_mask=(attended - sampled).to(device),
+            is_truncated=torch.tensor([e.truncated for e in episodes], device=device),
+            sampling_logps=logps.to(device) if self._has_logps else None,
+            messages=[e.messages for e in episodes],
+            tool_calls=tool_calls,
+            tool_failures=tool_failures,
+        )
+
+
+class _Turns:
+    """The turns of a run's episodes as an engine that decodes them as they come takes them (`loop.decode_turns`):
+    `poll` hands out the episodes ready for a turn, `turn_done` takes each turn back when it ends."""
+
+    def __init__(self, runner: EpisodeRunner, episodes: list[_Episode]):
+        self.runner, self.episodes = runner, episodes
+        self.ready, self.in_flight, self.counts = list(range(len(episodes))), [], [0, 0]
+
+    def poll(self, block: bool) -> list[tuple[int, list[int], int]]:
+        """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait for
+        tool calls in flight until some are; [] then means every episode is done."""
+        if self.in_flight:
+            self._collect()
+        if block and not self.ready and self.in_flight:
+            self.runner.caller.wait_any([self.episodes[k].calls for k in self.in_flight])
+            self._collect()
+        ready, self.ready = self.ready, []
+        return [(k, self.episodes[k].context, self.runner.budget(self.episodes[k])) for k in ready]
+
+    def turn_done(self, k: int, turn: list[int], logps: list[float]) -> None:
+        if self.runner.end_turn(self.episodes[k], turn, logps):
+            self.in_flight.append(k)
+
+    def _collect(self) -> None:
+        calling = [self.episodes[k] for k in self.in_flight]
+        ready, waiting = self.runner._take_replies(calling, self.counts)
+        index = {id(e): k for k, e in enumerate(self.episodes)}
+        self.ready += [index[id(e)] for e in ready]
+        self.in_flight = [index[id(e)] for e in waiting]

@@ -1,0 +1,284 @@
+"""Prompt rows -> sampled completions: the rollout engine, tool episodes and `rollout_func`, behind one call.
+
+`Sampler.sample(prompts, columns)` is the sampling half of a rollout round (`experience.ExperienceMaker` does the
+scoring and what follows). It owns the rollout engine (chosen at the first rollout, `engine.make_engine`), gathers
+sharded weights for it (ZeRO-3, FSDP2), and takes completions from one of three sources:
+
+- the engine, one completion per row (single turn);
+- with `tools` or an `environment_factory`, tool episodes on top of the engine (`episodes.EpisodeRunner`): each row's
+  environment is reset first (`environments.Environments`), its prompt rendered with its tools' schemas;
+- the user's `rollout_func` (TRL's contract, `custom.rollout_from_func`), which replaces both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3
+from grpo_hf.rollout.batching import Sequences
+from grpo_hf.rollout.custom import rollout_from_func
+from grpo_hf.rollout.engine import RolloutEngine, make_engine
+from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
+from grpo_hf.rollout.episodes import EpisodeRunner
+from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
+from grpo_hf.rollout.tools import tool_chat_template
+from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
+from grpo_hf.vision import has_images, image_token_ids, is_processor, tokenizer_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What sampling needs besides the model: the settings the rollout engine is built with, and the chat template's
+    extra arguments."""
+
+    generation_config: Any  # a `transformers.GenerationConfig`: max_new_tokens, temperature, top_p, ...
+    eos_token_ids: list[int]  # every id that ends a completion
+    chat_template_kwargs: dict[str, Any]
+    sharded: bool  # FSDP or ZeRO-3: the weights are gathered anew for each rollout
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """A run's tools and environments, and the chat template its episodes are rendered with (None: the tokenizer's)."""
+
+    tools: list[Callable]
+    environments: Environments | None
+    template: str | None
+
+    @classmethod
+    def build(cls, tools, environment_factory, tokenizer) -> ToolSetup | None:
+        """None without tools or environments; else the checked setup."""
+        if not tools and environment_factory is None:
+            return None
+        tools = list(tools or [])
+        for k, tool in enumerate(tools):
+            if not callable(tool) or not getattr(tool, "__name__", None):
+                raise TypeError(
+                    f"tools[{k}] is {tool!r}; a tool is a named function (sync or async) with a docstring."
+                )
+        names = [tool.__name__ for tool in tools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools has several functions named alike ({names}); the model calls them by name.")
+        environments = None if environment_factory is None else Environments(environment_factory, tools)
+        return cls(tools, environments, tool_chat_template(tokenizer))
+
+    def reward_funcs(self) -> list[Callable]:
+        """Each environment class's `get_reward`, as a reward function named after the class (weight 1)."""
+        return [] if self.environments is None else self.environments.reward_funcs()
+
+    def reward_columns(self) -> list[str]:
+        """The keyword arguments the episodes add for the reward functions."""
+        return ["environments"] if self.environments is not None else []
+
+
+@dataclass
+class Sampled:
+    """This process's B rows, sampled."""
+
+    tokens: Sequences  # prompt [B, P] and completion [B, T] ids and masks (`context_mask`: tool replies)
+    is_truncated: Tensor  # [B] bool
+    is_prompt_truncated: Tensor  # [B] bool: left-truncated to max_prompt_length
+    sampling_logps: Tensor | None = None  # [B, T] the sampler's own log-probs (vLLM, rollout_func), 0 off the loss
+    prompts: list | None = (
+        None  # [B] the prompts as the model saw them (an environment's observation added); None: as given
+    )
+    messages: list | None = None  # [B] each episode's chat messages (tool episodes); None: decode the ids
+    tool_calls: int | None = None  # calls made over the B rows (tool episodes); None: no tools
+    tool_failures: int = 0
+
+
+class Sampler:
+    """The sampling of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        args,
+        accelerator,
+        tokenizer,
+        generation: Generation,
+        wrapped: Callable[[], nn.Module],  # -> the outermost model wrapper (Trainer re-wraps it when training starts)
+        rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
+        agentic: ToolSetup | None = None,  # tools and environments: tool episodes
+    ):
+        self.args, self.accelerator, self.generation = args, accelerator, generation
+        # A VLM's processor tokenizes prompts with their images (`rollout.vision`); its tokenizer does the rest.
+        self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
+        self.wrapped, self.rollout_func = wrapped, rollout_func
+        self.tools = agentic.tools if agentic is not None else []
+        self.environments = agentic.environments if agentic is not None else None
+        self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
+        self.episodes = None
+        if agentic is not None:
+            self.template_kwargs = dict(generation.chat_template_kwargs)
+            if agentic.template is not None:
+                self.template_kwargs["chat_template"] = agentic.template
+            self.episodes = EpisodeRunner(
+                self.tokenizer,
+                max_completion_length=args.max_completion_length,
+                eos_token_ids=generation.eos_token_ids,
+                max_tool_calling_iterations=args.max_tool_calling_iterations,
+                tool_timeout=args.tool_timeout,
+                template_kwargs=self.template_kwargs,
+            )
+
+    def sample(self, prompts: list, columns: dict[str, list]) -> Sampled:
+        """Sample one completion (or episode) per row of `prompts`; `columns` (the rows' other fields) gain what
+        `rollout_func` returns besides its tokens, and `environments` with environments."""
+        device = self.accelerator.device
+        if self.rollout_func is not None:
+            output = rollout_from_func(
+                self.rollout_func,
+                prompts,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_ids=self.generation.eos_token_ids,
+                vocab_size=self._vocab_size(),
+                device=device,
+            )
+            columns.update(output.columns)
+            return Sampled(
+                output.tokens, output.is_truncated, torch.zeros(len(prompts), dtype=torch.bool), output.logps
+            )
+        if self.episodes is not None:
+            return self._episodes(prompts, columns)
+        prompt_ids, prompt_mask, is_prompt_truncated, images = self._tokenize_images(prompts, columns)
+        with self.model_for_generation() as model:
+            engine = self.engine_for(model)
+            completion_ids, completion_mask, is_truncated = engine.generate(
+                model, prompt_ids, prompt_mask, **({"images": images} if images else {})
+            )
+        logps = _engine_logps(engine, completion_mask)
+        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=images)
+        return Sampled(tokens, is_truncated, is_prompt_truncated, logps)
+
+    def _tokenize_images(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
+        """`_tokenize`, and for a VLM each row's image inputs (None when no row has images): by the processor with
+        each row's `image`/`images` (`rollout.vision`), a group's rows sharing one dict."""
+        if self.processor is None:
+            return *self._tokenize(prompts), None
+        images = [row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))]
+        settings = (self.args.max_prompt_length, self.generation.chat_template_kwargs)
+        ids, mask, truncated, rows = tokenize_vision_prompts(self.processor, prompts, images, *settings)
+        device = self.accelerator.device
+        on_device = {id(r): {k: v.to(device) for k, v in r.items()} for r in rows if r}
+        rows = [on_device[id(r)] if r else None for r in rows]  # a group's rows still share one
+        return ids.to(device), mask.to(device), truncated, (rows if has_images(rows) else None)
+
+    def _episodes(self, prompts: list, columns: dict[str, list]) -> Sampled:
+        """Tool episodes: reset each row's environment, render its prompt with its tools, run the episodes."""
+        row_tools = [self.tools] * len(prompts)
+        schema_tools = row_tools
+        if self.environments is not None:
+            prompts = [EMPTY_PROMPT if p is None else p for p in prompts]
+            rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
+            prompts, instances, schema_tools = self.environments.start(prompts, rows)
+            row_tools = self.environments.row_tools(instances, self.tools)
+            columns["environments"] = instances
+        if not is_conversational(prompts[0]):
+            raise ValueError(
+                "tools / environment_factory need conversational prompts (lists of chat messages): the chat template "
+                "renders the tools and the tool replies. Give the dataset's `prompt` column as messages."
+            )
+        prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts, schema_tools)
+        with self.model_for_generation() as model:
+            engine = self.engine_for(model)
+
+            def generate(ids, mask, max_new_tokens):
+                ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
+                completion_ids, completion_mask, _ = engine.generate(model, ids, mask, max_new_tokens=max_new_tokens)
+                return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
+
+            if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
+                run = self.episodes.run_joining(
+                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools
+                )
+            else:  # one engine call per round of ready turns
+                run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
+        tokens = Sequences(
+            prompt_ids, prompt_mask, run.completion_ids, run.completion_mask, context_mask=run.context_mask
+        )
+        return Sampled(
+            tokens,
+            run.is_truncated,
+            is_prompt_truncated,
+            run.sampling_logps,
+            prompts=prompts,
+            messages=run.messages,
+            tool_calls=run.tool_calls,
+            tool_failures=run.tool_failures,
+        )
+
+    def _tokenize(self, prompts: list, tools: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        kwargs = self.template_kwargs if tools is not None else self.generation.chat_template_kwargs
+        prompt_ids, prompt_mask, truncated = tokenize_prompts(
+            self.tokenizer, prompts, self.args.max_prompt_length, kwargs, tools=tools
+        )
+        return prompt_ids.to(self.accelerator.device), prompt_mask.to(self.accelerator.device), truncated
+
+    def _vocab_size(self) -> int:
+        model = self.accelerator.unwrap_model(self.wrapped())
+        embeddings = model.get_input_embeddings()
+        return getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
+
+    # ---- the rollout engine ------------------------------------------------------------------------------------
+    def engine_for(self, model: nn.Module) -> RolloutEngine:
+        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
+        if self.engine is None:
+            self.engine, why = make_engine(
+                self.args.rollout_engine,
+                model,
+                self.generation.generation_config,
+                self.generation.eos_token_ids,
+                sharded=self.generation.sharded,
+                autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
+                args=self.args,  # for the engines that take settings from it (vllm)
+                accelerator=self.accelerator,
+                blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
+            )
+            logger.info(why)
+        return self.engine
+
+    def weights_updated(self, model: nn.Module) -> None:
+        """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
+        if self.engine is not None:
+            self.engine.on_weights_updated(model)
+
+    @contextlib.contextmanager
+    def model_for_generation(self):
+        """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper); under
+        FSDP2 once for the whole rollout (`parallel.fsdp2_gathered`), not in every forward (every token).
+
+        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
+        """
+        wrapped = self.wrapped()
+        if is_zero3(self.accelerator):
+            from trl.models.utils import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(wrapped, self.accelerator) as unwrapped:
+                yield unwrapped
+        elif is_fsdp2(self.accelerator):
+            with fsdp2_gathered(wrapped):
+                yield self.accelerator.unwrap_model(wrapped)
+        else:
+            yield self.accelerator.unwrap_model(wrapped)
+
+    def close(self) -> None:
+        """Release the engine (vLLM: its engine and process groups). Idempotent."""
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _engine_logps(engine: RolloutEngine, completion_mask: Tensor) -> Tensor | None:
+    """The engine's log-probs [B, T] of its last call's tokens (vLLM), 0 off `completion_mask`; None: it has none."""
+    logps = getattr(engine, "sampling_logps", None)
+    if logps is None or logps.shape != completion_mask.shape:
+        return None
+    return logps.masked_fill(completion_mask == 0, 0.0)

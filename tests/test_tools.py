@@ -1,0 +1,775 @@
+"""Tools, environments and multi-turn episodes (TRL 1.16's `tools=` / `environment_factory=`), offline.
+
+The episodes run on grpo_hf's engines. Where a test needs the model to call tools, a scripted engine (registered here)
+writes each turn from the conversation so far, as a model that has learned the format would; where a test checks what
+a real engine sampled, the real engine samples and only the reading of its turn is scripted (`EpisodeRunner.parse`).
+The tokenizer is the byte-level one of `conftest` with TRL's Qwen2.5 chat template, which renders tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+from conftest import build_tiny_model, build_tiny_tokenizer
+from datasets import Dataset
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.logprobs import completion_logps
+from grpo_hf.rollout import RolloutEngine, register_engine
+from grpo_hf.rollout.batching import pad_token_lists
+from grpo_hf.rollout.tools import ToolCaller, tool_reply_ids
+
+QWEN_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+
+
+def tool_tokenizer():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer
+
+
+def call(tool: str, **arguments) -> str:
+    """A turn that calls `tool`, as the Qwen2.5 template writes it."""
+    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call><|im_end|>"
+
+
+class ScriptedEngine(RolloutEngine):
+    """Writes each row's turn with `ScriptedEngine.script(context text, row) -> text`; logs each call's contexts."""
+
+    name = "scripted"
+    script = None
+    calls: list[list[str]] = []
+
+    def sample(self, model, prompt_ids, prompt_mask):
+        tokenizer = ScriptedEngine.tokenizer
+        contexts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        ScriptedEngine.calls.append(contexts)
+        texts = [type(self).script(context, row) for row, context in enumerate(contexts)]
+        rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        rows = [ids[: self.generation_config.max_new_tokens] for ids in rows]
+        return pad_token_lists(rows, self.generation_config.pad_token_id, left=False)[0].to(prompt_ids.device)
+
+
+register_engine("scripted", ScriptedEngine)
+
+
+def scripted(script, tokenizer):
+    ScriptedEngine.script, ScriptedEngine.tokenizer, ScriptedEngine.calls = staticmethod(script), tokenizer, []
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+async def async_add(a: int, b: int) -> int:
+    """Add two integers, asynchronously.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+def fail(reason: str) -> str:
+    """Always raise.
+
+    Args:
+        reason: Why.
+    """
+    raise RuntimeError(reason)
+
+
+def args_for(tmp_path, **overrides) -> GRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=160,
+        max_prompt_length=None,
+        max_steps=1,
+        beta=0.0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        rollout_engine="scripted",
+    )
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def sums_dataset(n: int = 2) -> Dataset:
+    prompts = [[{"role": "user", "content": f"What is {k} + {k + 3}?"}] for k in range(n)]
+    return Dataset.from_dict({"prompt": prompts, "answer": [str(2 * k + 3) for k in range(n)]})
+
+
+def answer_after_tools(context: str, row: int) -> str:
+    """Even rows (of an engine call) call `add` with the question's numbers and answer with its reply; odd rows
+    answer at once (wrong)."""
+    a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", context)[-1])
+    replies = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
+    if replies:
+        return f"Answer: {replies[-1]}<|im_end|>"
+    return "Answer: 0<|im_end|>" if row % 2 == 1 else call("add", a=a, b=b)
+
+
+def last_answer(completions, answer, **_):
+    return [float(c[-1]["content"] == f"Answer: {a}") for c, a in zip(completions, answer, strict=True)]
+
+
+def zero(completions, **_):
+    return [0.0] * len(completions)
+
+
+def trainer_for(tmp_path, tokenizer, *, reward_funcs=last_answer, dataset=None, seed=0, **kwargs) -> GRPOTrainer:
+    config = kwargs.pop("args", None) or args_for(tmp_path)
+    return GRPOTrainer(
+        build_tiny_model(tokenizer, seed=seed),
+        reward_funcs,
+        config,
+        train_dataset=sums_dataset() if dataset is None else dataset,
+        processing_class=tokenizer,
+        **kwargs,
+    )
+
+
+def one_rollout(trainer):
+    """The micro-batches of one generation batch, and what the reward functions were shown."""
+    rows = [row for row in trainer.train_dataset for _ in range(trainer.args.num_generations)]
+    return trainer.experience.train_batches(rows[: trainer.args.generation_batch_size])
+
+
+# ---- tools: the ids, the masks, the messages, the metrics ----------------------------------------------------------
+def test_an_episode_is_sampled_turns_and_the_templates_reply_ids(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(answer_after_tools, tokenizer)
+    seen = {}
+
+    def reward(completions, **kwargs):
+        seen["completions"] = completions
+        return last_answer(completions, **kwargs)
+
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=reward, tools=[add])
+    (batch,) = one_rollout(trainer)
+
+    turn1 = tokenizer(call("add", a=0, b=3), add_special_tokens=False)["input_ids"]
+    reply = tool_reply_ids(tokenizer, [{"role": "tool", "name": "add", "content": "3"}], {})
+    turn2 = tokenizer("Answer: 3<|im_end|>", add_special_tokens=False)["input_ids"]
+    n = len(turn1) + len(reply) + len(turn2)
+    assert batch.completion_ids[0, :n].tolist() == turn1 + reply + turn2  # the ids, never re-tokenised
+    assert batch.completion_mask[0, :n].tolist() == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
+    assert batch.context_mask[0, :n].tolist() == [0] * len(turn1) + [1] * len(reply) + [0] * len(turn2)
+    assert batch.attention_mask[0, n:].sum() == 0
+    odd = tokenizer("Answer: 0<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert batch.completion_mask[1].sum() == len(odd) and batch.context_mask[1].sum() == 0
+    assert seen["completions"][0] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 0, "b": 3}}}],
+        },
+        {"role": "tool", "name": "add", "content": "3"},
+        {"role": "assistant", "content": "Answer: 3"},
+    ]
+    assert seen["completions"][1] == [{"role": "assistant", "content": "Answer: 0"}]
+    metrics = trainer._metrics["train"]
+    assert metrics["tools/call_frequency"] == [0.5] and metrics["tools/failure_frequency"] == [0.0]
+    model_tokens = batch.completion_mask.sum(dim=1).float()  # tool replies are not completion length
+    assert metrics["completions/max_length"] == [model_tokens.max().item()]
+    assert "<tools>" in ScriptedEngine.calls[0][0] and '"name": "add"' in ScriptedEngine.calls[0][0]  # the schema
+
+
+def test_tools_train_and_log_trls_metrics(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(answer_after_tools, tokenizer)
+    trainer = trainer_for(tmp_path, tokenizer, tools=[add])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] == 0.5 and logged["tools/failure_frequency"] == 0.0
+    assert logged["reward"] == 0.5  # the tool users answer right, the others wrong
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+def test_async_tools(tmp_path):
+    tokenizer = tool_tokenizer()
+
+    def script(context, row):
+        return answer_after_tools(context, row).replace('"name": "add"', '"name": "async_add"')
+
+    scripted(script, tokenizer)
+    trainer = trainer_for(tmp_path, tokenizer, tools=[async_add])
+    one_rollout(trainer)
+    assert trainer._metrics["train"]["tools/call_frequency"] == [0.5]
+    assert trainer._metrics["train"]["tools/failure_frequency"] == [0.0]
+    assert trainer._metrics["train"]["reward"] == [0.5]
+
+
+def test_malformed_tool_calls_become_error_replies(tmp_path):
+    tokenizer = tool_tokenizer()
+    bad_turns = [
+        call("missing_tool", a=1),  # unknown tool
+        call("add", a=1),  # a required argument missing
+        call("add", a=1, b=2, c=3),  # an argument the tool does not take
+        call("fail", reason="boom"),  # the tool raises
+    ]
+    replies = {}
+
+    def script(context, row):
+        found = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
+        if found:
+            (which,) = [k for k, turn in enumerate(bad_turns) if turn in context]
+            replies[which] = found[-1]
+            return "done<|im_end|>"
+        return bad_turns[row]  # the first turn: rows 0-3 of one engine call
+
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, max_completion_length=400)  # room for the error replies
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add, fail], args=config)
+    (batch,) = one_rollout(trainer)
+    errors = [json.loads(replies[row])["error"] for row in range(4)]
+    assert "unknown tool 'missing_tool'" in errors[0]
+    assert "wrong arguments" in errors[1] and "'b'" in errors[1]
+    assert "wrong arguments" in errors[2] and "'c'" in errors[2]
+    assert errors[3] == "RuntimeError: boom"
+    assert trainer._metrics["train"]["tools/call_frequency"] == [1.0]
+    assert trainer._metrics["train"]["tools/failure_frequency"] == [1.0]
+    assert bool((batch.context_mask.sum(dim=1) > 0).all())  # each reply was read by the model
+
+
+def test_a_turn_that_does_not_parse_is_text_and_ends_the_episode(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(lambda context, row: "<tool_call>\n{not json\n</tool_call><|im_end|>", tokenizer)
+    seen = []
+
+    def record(completions, **_):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = trainer_for(
+        tmp_path, tokenizer, reward_funcs=lambda completions, **_: seen.extend(completions) or [0.0] * 4, tools=[add]
+    )
+    (batch,) = one_rollout(trainer)
+    assert len(ScriptedEngine.calls) == 1 and trainer._metrics["train"]["tools/call_frequency"] == [0.0]
+    assert seen[0] == [{"role": "assistant", "content": "<tool_call>\n{not json\n</tool_call>"}]
+    assert batch.context_mask.sum() == 0
+
+
+# ---- concurrency: tools at once, turns without waiting for the slowest ----------------------------------------------
+def test_the_tools_of_different_episodes_run_at_the_same_time(tmp_path):
+    """Four episodes each call a tool that waits for the other three: done one after another, they would time out."""
+    tokenizer = tool_tokenizer()
+    barrier = threading.Barrier(4, timeout=10)
+
+    def meet(name: str) -> str:
+        """Wait for the others.
+
+        Args:
+            name: Who arrives.
+        """
+        barrier.wait()
+        return "met"
+
+    def script(context, row):
+        return "ok<|im_end|>" if "<tool_response>" in context else call("meet", name=str(row))
+
+    scripted(script, tokenizer)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[meet])
+    one_rollout(trainer)
+    assert trainer._metrics["train"]["tools/failure_frequency"] == [0.0]
+
+
+def test_an_episode_whose_tool_returned_goes_on_while_a_slow_tool_runs(tmp_path):
+    """Rows 0 and 1 call a tool that returns only once row 2's or 3's next turn has been sampled: the runner samples
+    the turns of the episodes whose tools are done without waiting for the others."""
+    tokenizer = tool_tokenizer()
+    fast_turn_sampled = threading.Event()
+
+    def slow(x: int) -> int:
+        """Wait for a fast episode's next turn.
+
+        Args:
+            x: Any number.
+        """
+        if not fast_turn_sampled.wait(timeout=10):
+            raise TimeoutError("no episode went on while this tool ran")
+        return x
+
+    def fast(x: int) -> int:
+        """Return at once.
+
+        Args:
+            x: Any number.
+        """
+        return x
+
+    def script(context, row):
+        if "<tool_response>" in context:
+            if "fast" in context.split("<|im_start|>user\nWhat")[-1]:
+                fast_turn_sampled.set()
+            return "ok<|im_end|>"
+        return call("slow" if row < 2 else "fast", x=row)
+
+    scripted(script, tokenizer)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[slow, fast])
+    one_rollout(trainer)
+    assert trainer._metrics["train"]["tools/failure_frequency"] == [0.0]
+    called = r'"name": "(\w+)", "arguments"'  # a call, not a schema
+    replied = [" ".join(re.findall(called, "".join(contexts))) for contexts in ScriptedEngine.calls[1:]]
+    fast_calls = [k for k, names in enumerate(replied) if "fast" in names]
+    slow_calls = [k for k, names in enumerate(replied) if "slow" in names]
+    assert max(fast_calls) < min(slow_calls)  # the fast episodes' next turns, before the slow tools returned
+
+
+def test_a_tool_call_that_takes_too_long_becomes_an_error(tmp_path):
+    tokenizer = tool_tokenizer()
+    release = threading.Event()
+
+    def hang(x: int) -> int:
+        """Hang.
+
+        Args:
+            x: Any number.
+        """
+        release.wait(timeout=10)
+        return x
+
+    replies = []
+
+    def script(context, row):
+        found = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
+        if found:
+            replies.append(json.loads(found[-1]))
+            return "ok<|im_end|>"
+        return call("hang", x=row)
+
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, tool_timeout=0.2, max_completion_length=400)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[hang], args=config)
+    try:
+        one_rollout(trainer)
+    finally:
+        release.set()
+    assert replies == [{"error": "tool 'hang' timed out after 0.2 seconds"}] * 4
+    assert trainer._metrics["train"]["tools/failure_frequency"] == [1.0]
+
+
+def test_tool_caller_checks_its_timeout():
+    with pytest.raises(ValueError, match="tool_timeout=0 must be > 0"):
+        ToolCaller(timeout=0)
+
+
+# ---- bounds --------------------------------------------------------------------------------------------------------
+def test_a_reply_that_would_overflow_ends_the_episode_truncated(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(lambda context, row: call("add", a=1, b=2), tokenizer)  # calls forever
+    config = args_for(tmp_path, max_completion_length=100, mask_truncated_completions=True)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add], args=config)
+    (batch,) = one_rollout(trainer)
+    assert bool(batch.attention_mask.sum(dim=1).le(100).all())
+    assert batch.completion_mask.sum() == 0  # every episode truncated, so masked
+    assert trainer._metrics["train"]["completions/clipped_ratio"] == [1.0]
+
+
+def test_max_tool_calling_iterations_bounds_the_rounds(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(lambda context, row: call("add", a=1, b=2), tokenizer)
+    config = args_for(tmp_path, max_completion_length=400, max_tool_calling_iterations=2)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add], args=config)
+    one_rollout(trainer)
+    assert trainer._metrics["train"]["tools/call_frequency"] == [2.0]  # then the third call ends the episode
+    assert trainer._metrics["train"]["completions/clipped_ratio"] == [0.0]  # each last turn ended with its EOS
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_tool_calling_iterations=-1), "max_tool_calling_iterations=-1 must be >= 0"),
+        (dict(tool_timeout=0.0), "tool_timeout=0.0 must be > 0 seconds"),
+    ],
+)
+def test_tool_settings_are_checked(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        args_for(tmp_path, **overrides)
+
+
+def test_a_chat_template_that_cannot_render_tools_is_refused(tmp_path):
+    tokenizer = build_tiny_tokenizer()  # conftest's ChatML template has no tools
+    with pytest.raises(ValueError, match="need a chat template that renders tool calls"):
+        trainer_for(tmp_path, tokenizer, tools=[add])
+
+
+# ---- every engine: exact ids, and exactly zero gradient on tool output ----------------------------------------------
+@pytest.mark.parametrize("engine", ["loop", "generate", "cuda_graph"])
+def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, engine):
+    """A real engine samples; half the tokens end a turn (an odd id is an EOS here), each first turn is read as a call
+    of `add`. The training rows hold the engine's ids and the template's reply ids; the loss's gradient with respect to
+    the log-probs is exactly 0 on every reply position and nonzero on every sampled token, each turn's end included;
+    the shared-prefix forward reads the replies as the padded one does."""
+    tokenizer = tool_tokenizer()
+    config = args_for(tmp_path, rollout_engine=engine, max_completion_length=120, temperature=1.0)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add], args=config)
+    model = trainer.model
+    model.generation_config.eos_token_id = [i for i in range(len(tokenizer)) if i % 2 == 1]
+    trainer.eos_token_ids = model.generation_config.eos_token_id
+    sampler = trainer.experience.sampler
+    sampler.generation = type(sampler.generation)(
+        trainer.generation_config, trainer.eos_token_ids, sampler.generation.chat_template_kwargs, False
+    )
+    sampler.episodes.eos_token_ids = set(trainer.eos_token_ids)
+    trainer.generation_config.eos_token_id = trainer.eos_token_ids
+    first_turn = {"role": "assistant", "content": "", "tool_calls": [call_of("add", a=1, b=2)]}
+    sampler.episodes.parse = lambda tok, ids, context, tools: (
+        {"role": "assistant", "content": "x"} if "<tool_response>" in tok.decode(context) else first_turn
+    )
+    sampled = record_turns(sampler)
+    torch.manual_seed(0)
+    (batch,) = one_rollout(trainer)
+
+    reply = tool_reply_ids(tokenizer, [{"role": "tool", "name": "add", "content": "3"}], {})
+    for row in range(4):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
+        ids = batch.completion_ids[row].tolist()
+        (turn1,) = [t for t in sampled[tuple(prompt)] if ids[: len(t)] == t]  # one of the prompt's first turns
+        (turn2,) = sampled[tuple(prompt + turn1 + reply)]
+        n = len(turn1) + len(reply) + len(turn2)
+        assert ids[:n] == turn1 + reply + turn2
+        assert batch.completion_mask[row, :n].tolist() == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
+        assert turn1[-1] % 2 == 1 and turn2[-1] % 2 == 1  # each turn ends with its EOS, which is in the loss
+
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.25])
+    logps, _ = completion_logps(model, batch, share_prefix=False)
+    logps.retain_grad()
+    loss, _ = trainer.objective(logps, batch, accumulation_steps=1)
+    loss.backward()
+    assert bool((logps.grad[batch.context_mask.bool()] == 0).all())
+    assert bool((logps.grad[batch.completion_mask.bool()] != 0).all())
+    shared, _ = completion_logps(model, batch, share_prefix=True)
+    attended = batch.attention_mask.bool()
+    torch.testing.assert_close(shared[attended], logps.detach()[attended], rtol=1e-5, atol=1e-5)
+
+
+def record_turns(sampler) -> dict[tuple[int, ...], list[list[int]]]:
+    """Record every turn the sampler's engine samples, by the context ids it was sampled after: from `generate`
+    (one call per round of turns) or, for an engine that decodes turns as they come (`loop`), from its source."""
+    turns: dict[tuple[int, ...], list[list[int]]] = {}
+    original = sampler.engine_for
+
+    def recording(model):
+        engine = original(model)
+        if hasattr(engine, "_recording"):
+            return engine
+        engine._recording = True
+        if hasattr(engine, "decode_turns"):
+            decode = engine.decode_turns
+
+            def decode_recording(model, source):
+                poll, done, contexts = source.poll, source.turn_done, {}
+
+                def polled(block):
+                    ready = poll(block)
+                    contexts.update({key: list(context) for key, context, _ in ready})
+                    return ready
+
+                def turn_done(key, turn, logps):
+                    turns.setdefault(tuple(contexts[key]), []).append(list(turn))
+                    done(key, turn, logps)
+
+                source.poll, source.turn_done = polled, turn_done
+                decode(model, source)
+
+            engine.decode_turns = decode_recording
+        else:
+            generate = engine.generate
+
+            def generate_recording(model, ids, mask, **kwargs):
+                out = generate(model, ids, mask, **kwargs)
+                for k in range(ids.size(0)):
+                    turn = out.completion_ids[k, : int(out.completion_mask[k].sum())].tolist()
+                    turns.setdefault(tuple(ids[k][mask[k].bool()].tolist()), []).append(turn)
+                return out
+
+            engine.generate = generate_recording
+        return engine
+
+    sampler.engine_for = recording
+    return turns
+
+
+def call_of(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# ---- environments ---------------------------------------------------------------------------------------------------
+class Counter:
+    """Count up to a target: its tool adds to the count; it owns its reward."""
+
+    made = 0
+
+    def __init__(self):
+        Counter.made += 1
+        self.count, self.target = 0, None
+
+    def reset(self, **row):
+        self.count, self.target = 0, int(row["target"])
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+
+class Echo:
+    """Say something back; no reward of its own."""
+
+    def reset(self, **row):
+        assert "environment" not in row  # the routing column is not the environment's
+        return None
+
+    def shout(self, text: str) -> str:
+        """Shout the text back.
+
+        Args:
+            text: What to shout.
+        """
+        return text.upper()
+
+
+def environment_script(context, row):
+    """Counter rows: even rows increment by the target (reward 1), odd by 1 (reward 0, unless the target is 1);
+    echo rows shout."""
+    if "<tool_response>" in context:
+        return "done<|im_end|>"
+    reach = re.findall(r"Reach (\d+)\.", context)
+    if reach:
+        return call("increment", step=int(reach[-1]) if row % 2 == 0 else 1)
+    return call("shout", text="hi")
+
+
+def test_environments_routed_by_column_with_their_own_rewards_and_reward_funcs(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(environment_script, tokenizer)
+    seen = []
+
+    def reward(prompts, environments, **_):
+        seen.append((prompts, environments))
+        return [1.0 if isinstance(e, Echo) else None for e in environments]
+
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": "Count."}], [{"role": "user", "content": "Shout."}]],
+            "environment": ["counter", "echo"],
+            "target": ["4", "0"],
+        }
+    )
+    config = args_for(tmp_path, max_steps=2, shuffle_dataset=False)
+    factory = {"counter": Counter, "echo": Echo}
+    trainer = trainer_for(
+        tmp_path, tokenizer, reward_funcs=reward, dataset=dataset, environment_factory=factory, args=config
+    )
+    assert trainer.reward_func_names == ["reward", "Counter"] and trainer.reward_weights.tolist() == [1.0, 1.0]
+    made = Counter.made
+    trainer.train()
+    assert Counter.made == made + 1  # one instance probed, one more for a batch's two counter rows; then reused
+    (prompts, environments), (_, environments_2) = seen
+    assert [type(e) for e in environments] == [Counter, Counter, Echo, Echo]
+    assert [id(e) for e in environments] == [id(e) for e in environments_2]  # the pool, reused
+    assert prompts[0][-1]["content"] == "Count. Reach 4." and prompts[2][-1]["content"] == "Shout."
+    # Counter: rows 0 (step 4) reach the target, row 1 (step 1) does not; echo rows: the reward function's 1.0
+    assert trainer.state.log_history[0]["rewards/Counter/mean"] == 0.5
+    assert trainer.state.log_history[0]["rewards/reward/mean"] == 1.0
+    tools_seen = ScriptedEngine.calls[0]
+    assert '"name": "increment"' in tools_seen[0] and '"name": "shout"' not in tools_seen[0]  # each row, its own tools
+    assert '"name": "shout"' in tools_seen[2] and '"name": "increment"' not in tools_seen[2]
+
+
+class OwnsItsData(Counter):
+    """An environment that writes each prompt itself."""
+
+    def reset(self, **row):
+        assert row["prompt"] == [{"role": "user", "content": ""}]
+        self.count, self.target = 0, 3
+        return "Reach 3."
+
+
+def test_environment_owned_data_and_reward_alone(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(environment_script, tokenizer)
+    config = args_for(tmp_path, max_steps=2)
+    trainer = GRPOTrainer(
+        build_tiny_model(tokenizer), None, config, processing_class=tokenizer, environment_factory=OwnsItsData
+    )
+    assert trainer.reward_func_names == ["OwnsItsData"]
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert [row["rewards/OwnsItsData/mean"] for row in trainer.state.log_history[:2]] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("unknown environment", r"names environments \['nowhere'\] in its `environment` column"),
+        ("no dataset, no environment", "`train_dataset` is required unless an `environment_factory` is given"),
+        ("environment-owned data, no max_steps", "set max_steps > 0"),
+        ("several environments, no dataset", "needs a train_dataset whose `environment` column routes"),
+        ("environment without reset", "has no `reset` method"),
+    ],
+)
+def test_construction_errors(tmp_path, case, message):
+    tokenizer = tool_tokenizer()
+    model, config = build_tiny_model(tokenizer), args_for(tmp_path)
+    dataset, factory, tools = None, Counter, None
+    if case == "unknown environment":
+        dataset = Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": "x"}]] * 2, "environment": ["counter", "nowhere"]}
+        )
+        factory = {"counter": Counter}
+    elif case == "no dataset, no environment":
+        factory, tools = None, [add]
+    elif case == "environment-owned data, no max_steps":
+        config = args_for(tmp_path, max_steps=-1, num_train_epochs=1)
+    elif case == "several environments, no dataset":
+        factory = {"counter": Counter, "echo": Echo}
+    else:
+        factory = type("NoReset", (), {"act": lambda self, x: x})
+    with pytest.raises((ValueError, TypeError), match=message):
+        GRPOTrainer(
+            model,
+            last_answer,
+            config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            tools=tools,
+            environment_factory=factory,
+        )
+
+
+# ---- rollout_func: env_mask and logprobs ----------------------------------------------------------------------------
+def test_rollout_func_env_mask_and_logprobs(tmp_path):
+    tokenizer = tool_tokenizer()
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tokenizer("question", add_special_tokens=False)["input_ids"]] * len(prompts)
+        completion_ids = [[40, 41, 42, 43, tokenizer.eos_token_id]] * len(prompts)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": [[-1.0, -2.0, -3.0, -4.0, -5.0]] * len(prompts),
+            "env_mask": [[1, 0, 0, 1, 1]] * len(prompts),  # tokens 1-2: the environment's
+        }
+
+    config = args_for(tmp_path, rollout_engine="auto")
+    trainer = trainer_for(
+        tmp_path,
+        tokenizer,
+        reward_funcs=lambda completions, **_: [0.0, 1.0] * 2,
+        rollout_func=rollout_func,
+        args=config,
+    )
+    (batch,) = one_rollout(trainer)
+    assert batch.completion_mask[0].tolist() == [1, 0, 0, 1, 1]
+    assert batch.context_mask[0].tolist() == [0, 1, 1, 0, 0]
+    assert batch.sampling_logps[0].tolist() == [-1.0, 0.0, 0.0, -4.0, -5.0]  # off the loss mask: 0
+    assert trainer._metrics["train"]["completions/mean_length"] == [3.0]  # the model's tokens only
+
+    # With the sampler's correction on (as with use_vllm=True), the weight pi_old / pi_sampler reads those log-probs
+    trainer.args.sampling_correction_kwargs = lambda: {"mode": "token_truncate", "clip_min": None, "clip_max": 1e9}
+    logps = torch.full_like(batch.sampling_logps, -2.0)
+    weight, metrics = trainer.objective.sampling_weight(logps, batch)
+    expected = torch.exp(torch.tensor([-2.0, 0.0, 0.0, -2.0, -2.0]) - torch.tensor([-1.0, 0.0, 0.0, -4.0, -5.0]))
+    torch.testing.assert_close(weight[0][batch.completion_mask[0].bool()], expected[[0, 3, 4]])
+
+
+@pytest.mark.parametrize("bad, key", [(-1, "completion_ids"), (10**6, "prompt_ids")])
+def test_rollout_func_token_ids_outside_the_vocabulary(tmp_path, bad, key):
+    tokenizer = tool_tokenizer()
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [[50, 51]] * len(prompts)
+        completion_ids = [[60, 61, tokenizer.eos_token_id]] * len(prompts)
+        out = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[0.0] * 3] * len(prompts)}
+        out[key] = [list(ids) for ids in out[key]]
+        out[key][2][0] = bad
+        return out
+
+    trainer = trainer_for(
+        tmp_path, tokenizer, rollout_func=rollout_func, args=args_for(tmp_path, rollout_engine="auto")
+    )
+    with pytest.raises(ValueError, match=rf"rollout_func returned {key}\[2\] with token ids \[{bad}\] outside"):
+        one_rollout(trainer)
+
+
+# ---- the loop engine: turns join the decoding batch at the next token step ------------------------------------------
+class _ScriptedSource:
+    """Three episodes of three turns; a turn's `reply` ids come back `delay` polls after it ends (a tool's latency)."""
+
+    def __init__(self, prompts: list[list[int]], reply: list[int], delay: int = 1, turns: int = 3, budget: int = 10):
+        self.contexts, self.reply, self.delay = [list(p) for p in prompts], reply, delay
+        self.turns, self.budget, self.count = turns, budget, [0] * len(prompts)
+        self.ready, self.waiting, self.done_turns = list(range(len(prompts))), [], []
+        self.polls, self.joined_mid_decode = 0, False
+
+    def poll(self, block):
+        self.polls += 1
+        back = [k for k, at in self.waiting if at <= self.polls or block]
+        self.waiting = [(k, at) for k, at in self.waiting if k not in back]
+        self.ready += back
+        ready, self.ready = self.ready, []
+        if ready and not block:
+            self.joined_mid_decode = True  # handed out while other turns were still being decoded
+        return [(k, list(self.contexts[k]), self.budget) for k in ready]
+
+    def turn_done(self, k, turn, logps):
+        self.done_turns.append((list(self.contexts[k]), list(turn), list(logps)))
+        self.count[k] += 1
+        self.contexts[k] += turn
+        if self.count[k] < self.turns:
+            self.contexts[k] += self.reply
+            self.waiting.append((k, self.polls + self.delay))
+
+
+def test_loop_turns_join_the_batch_and_keep_the_models_log_probs(tokenizer):
+    """`loop.decode_turns` with turns that come back at different times: some join while others are mid-turn, the
+    batch's cache grows on the left for longer contexts, finished rows leave it; every sampled token's log-prob is
+    the one a plain forward over its context gives (so each row read exactly its own context)."""
+    from transformers import GenerationConfig
+
+    from grpo_hf.rollout.loop import decode_turns
+
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("ab", "a longer one", "xyz!")]
+    source = _ScriptedSource(prompts, reply=tokenizer(" <r> ", add_special_tokens=False)["input_ids"])
+    config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id)
+    ends = [i for i in range(len(tokenizer)) if i % 5 == 0]  # a fifth of the tokens end a turn: varied lengths
+    torch.manual_seed(0)
+    decode_turns(model, source, config, ends)
+    assert len(source.done_turns) == 9 and source.joined_mid_decode
+    with torch.no_grad():
+        for context, turn, logps in source.done_turns:
+            ids = torch.tensor([context + turn])
+            expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
+            expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+            assert turn[-1] % 5 == 0 or len(turn) == 10  # an EOS or the budget ends a turn
