@@ -174,6 +174,11 @@ class Sampler:
 
     def _episodes(self, prompts: list, columns: dict[str, list]) -> Sampled:
         """Tool episodes: reset each row's environment, render its prompt with its tools, run the episodes."""
+        if any(row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))):
+            raise ValueError(
+                "Tool episodes do not take images yet: rows with `image`/`images` and tools= or environment_factory= "
+                "cannot be combined (docs/vision.md). Drop the image columns or the tools."
+            )
         row_tools = [self.tools] * len(prompts)
         schema_tools = row_tools
         if self.environments is not None:
