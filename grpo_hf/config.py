@@ -427,6 +427,13 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     num_completions_to_print: int | None = field(
         default=4, metadata={"help": "Rows printed per logging step when log_completions. `None`: all."}
     )
+    log_multimodal: bool = field(
+        default=True,
+        metadata={
+            "help": "With log_completions, keep each row's images with its completion (saved as PNG files under "
+            "`output_dir/completion_images/`, their paths in the rows). False: text only."
+        },
+    )
 
     def __post_init__(self):
         """Validate every field once, then derive the generation batch; each step raises with the fix it needs."""

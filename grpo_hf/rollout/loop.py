@@ -28,19 +28,29 @@ from grpo_hf.rollout.sampling import (
     sample_categorical,
     unsupported_reason,
 )
+from grpo_hf.vision import has_images, position_offsets
 
 
 class LoopEngine(RolloutEngine):
     """`sample_groups` behind the engine interface."""
 
     name = "loop"
+    takes_images = True
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
         return unsupported_reason(model, generation_config)
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        return sample_groups(model, prompt_ids, prompt_mask, self.generation_config, self.eos_token_ids)
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
+        return sample_groups(
+            model,
+            prompt_ids,
+            prompt_mask,
+            self.generation_config,
+            self.eos_token_ids,
+            images=images,
+            blocked_token_ids=self.blocked_token_ids,
+        )
 
     def decode_turns(self, model, source) -> None:
         """Tool episodes' turns, each joining the batch at the next token step (`decode_turns`), in eval mode."""
@@ -110,7 +120,13 @@ _MIN_STEPS_TO_DROP_ROWS = 8
 
 @torch.no_grad()
 def sample_groups(
-    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, eos_token_ids: Sequence[int]
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generation_config,
+    eos_token_ids: Sequence[int],
+    images=None,
+    blocked_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Sample one completion per row, the prompt of each run of identical rows prefilled once.
 
@@ -122,31 +138,30 @@ def sample_groups(
     grown by concatenation each step, finished rows leave the decoding batch
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
+    A VLM's rows' image inputs (`images`) go to the prefill; `blocked_token_ids` (image tokens) are never drawn.
     Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
     """
     N, P = prompt_ids.shape
     T = generation_config.max_new_tokens
     device = prompt_ids.device
     cache = _preallocated_cache(model.config, P + T)
-    logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache)  # [U, V], [N]
-    logits = logits.float()
-    if logits.size(0) < N:
-        _take_cache_rows(cache, prompt_of_row)
-        logits = logits[prompt_of_row]  # [N, V]
+    logits, next_position = _prefill(model, prompt_ids, prompt_mask, cache, images)  # [N, V], [N, 1]
 
     eos = torch.tensor(list(eos_token_ids), device=device)
     pad = generation_config.pad_token_id
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((N, T), pad)], dim=1)  # [N, P + T]
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, T))], dim=1)  # [N, P + T]
-    next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
     # The decoding batch: rows that have not produced an EOS yet (finished rows keep the pad they start with).
     rows = torch.arange(N, device=device)  # [A] row of `sequences` of each batch row
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
     generation_config = resolve_sampling_settings(model, generation_config)
     processors = logits_processors(generation_config, prompt_mask)
+    blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     keyword = cache_keyword(model)  # looked up once, not per token
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
+        if blocked.numel():
+            logits = logits.index_fill(1, blocked, float("-inf"))
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
         # One uniform per original row and step, whichever rows are still in the batch.
         uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
@@ -164,6 +179,21 @@ def sample_groups(
             model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache, keyword
         )
     return sequences[:, P : P + t + 1]  # [N, T]
+
+
+def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each distinct prompt prefilled once into `cache`, its rows repeated to the N rows: fp32 logits [N, V] and the
+    position of each row's first completion token [N, 1] (M-RoPE models: shifted by the span of its images)."""
+    logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache, images)  # [U, V], [N]
+    logits = logits.float()
+    next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
+    offsets = position_offsets(model) if has_images(images) else None  # [U, 1]
+    if offsets is not None:
+        next_position = next_position + offsets.to(next_position.device)[prompt_of_row]
+    if logits.size(0) < prompt_ids.size(0):
+        _take_cache_rows(cache, prompt_of_row)
+        logits = logits[prompt_of_row]  # [N, V]
+    return logits, next_position
 
 
 def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
