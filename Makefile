@@ -54,6 +54,7 @@ bench: install
 	$(PY) benchmarks/bench_code_reward.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
+	$(PY) benchmarks/vlm_vs_trl.py
 	$(PY) benchmarks/multi_process.py
 
 # On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the bf16 learning check.

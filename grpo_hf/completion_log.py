@@ -57,6 +57,9 @@ _FIXED_KEYS = ("step", "prompt", "completion", "rewards", "advantage")
 def write_completions(rows: list[dict[str, Any]], output_dir: str, step: int, num_to_print: int | None) -> None:
     """Append `rows` to `output_dir/completions.jsonl` and print the first `num_to_print` (None: all)."""
     os.makedirs(output_dir, exist_ok=True)
+    for k, row in enumerate(rows):
+        if row.get("images"):  # log_multimodal: the row's images, as files beside the log
+            row["images"] = save_images(row["images"], os.path.join(output_dir, "completion_images"), f"{step}-{k}")
     with open(os.path.join(output_dir, "completions.jsonl"), "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
@@ -71,6 +74,21 @@ def write_completions(rows: list[dict[str, Any]], output_dir: str, step: int, nu
         )
     # A display the user asked for (log_completions), written beside the progress bar.
     tqdm.write("\n".join(lines))
+
+
+def save_images(images: list, directory: str, stem: str) -> list[str]:
+    """Save each image (a PIL image; anything else is kept as its text) as `directory/<stem>-<i>.png`; returns the
+    paths, relative to the output directory."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        if not hasattr(image, "save"):
+            paths.append(str(image))
+            continue
+        path = os.path.join(directory, f"{stem}-{i}.png")
+        image.save(path)
+        paths.append(os.path.join(os.path.basename(directory), os.path.basename(path)))
+    return paths
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -480,6 +480,13 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "private per hub_private_repo) that the `completions/*.parquet` files are pushed to at every log."
         },
     )
+    log_multimodal: bool = field(
+        default=True,
+        metadata={
+            "help": "With log_completions, keep each row's images with its completion (saved as PNG files under "
+            "`output_dir/completion_images/`, their paths in the rows). False: text only."
+        },
+    )
 
     def __post_init__(self):
         """Validate every field once, then derive the generation batch; each step raises with the fix it needs."""
@@ -769,9 +776,7 @@ TRL_DEFAULTS: dict[str, Any] = {
 # TRL 1.16's GRPOConfig fields and GRPOTrainer arguments that grpo_hf does not take (yet), with the reason: the
 # one table of differences besides the defaults above (docs/porting.md shows both; tests/test_trl_dropin.py reads
 # the installed TRL and fails on any other difference).
-TRL_DIFFERENCES: dict[str, str] = {
-    "log_multimodal": "not a field yet: vision-language models belong to the VLM issue",
-}
+TRL_DIFFERENCES: dict[str, str] = {}
 
 # GRPOConfig fields that make `core.EntropyControl` (the entropy bonus's coefficient), with the same names.
 _ENTROPY_CONTROL = (

@@ -41,6 +41,8 @@ from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_conversational, split_into_micro_batches
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
 from grpo_hf.rollout.sampler import Generation, Sampled, Sampler
+from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images
+from grpo_hf.vision import encode_rows, is_processor, tokenizer_of
 
 __all__ = ["ExperienceMaker", "Generation", "Models", "RewardSet"]
 
@@ -85,7 +87,13 @@ class ExperienceMaker:
         sampler: Sampler,
         train_rows: Callable[[], Any] | None = None,  # -> the train dataset as the dataloader serves it
     ):
-        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.args, self.accelerator, self.tokenizer = (
+            args,
+            accelerator,
+            tokenizer_of(tokenizer),
+        )  # a VLM: its processor's
+        self.is_vlm = is_processor(tokenizer)  # rows may carry images (`rollout.vision`)
+        self.num_image_encodings = 0  # prompts whose images were encoded for the log-prob forwards (tests count)
         self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
         self.state, self.sampler, self.train_rows = state, sampler, train_rows
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
@@ -119,6 +127,7 @@ class ExperienceMaker:
             rollout.completion_mask = rollout.completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
             self._warn_if_all_masked(rollout.is_truncated)
         batches = self.split(rollout, args.per_device_train_batch_size)
+        self.encode_images(rollout)
         with torch.no_grad():
             for batch in batches:
                 batch.old_logps = self.logps.no_grad(self.models.policy(), batch) if self.needs_old_logps else None
@@ -137,12 +146,21 @@ class ExperienceMaker:
         if self.args.log_completions:
             self.completion_rows["eval"] += self._completion_rows(rollout)
         (batch,) = self.split(rollout, len(rollout))
+        self.encode_images(rollout)
         batch.ref_logps = self.reference_logps(batch)
         return batch
 
     def split(self, rollout: Rollout, size: int) -> list[MicroBatch]:
         """`rollout` in micro-batches of `size` rows, each trimmed and padded once (`pad_to_multiple_of`)."""
         return split_into_micro_batches(rollout.as_batch(), size, self.pad_multiple(), self.tokenizer.pad_token_id)
+
+    def encode_images(self, rollout: Rollout) -> None:
+        """A VLM with a frozen vision side: each prompt's images encoded once for all the forwards of this generation
+        batch (old, reference, policy; every micro-step it serves), its features kept with the rows
+        (`vision.encode_rows`)."""
+        if rollout.image_inputs is not None:
+            with self.accelerator.autocast():
+                self.num_image_encodings += encode_rows(self.models.policy(), rollout.image_inputs)
 
     def reference_logps(self, batch: Sequences) -> Tensor | None:
         """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with its frozen copy of
@@ -250,6 +268,9 @@ class ExperienceMaker:
         self.metrics.add_logged(metrics, logs.metrics, accelerator)
         self._record_lengths(metrics, sampled)
         extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
+        if self.is_vlm and self.args.log_completions and self.args.log_multimodal:
+            for i, row in enumerate(extra):  # log_multimodal: each row's images go to the completions log
+                row["images"] = row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns})
         return Rollout(
             **sampled.tokens.tokens(),
             is_truncated=sampled.is_truncated,

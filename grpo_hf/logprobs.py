@@ -30,6 +30,14 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 from grpo_hf.peft_utils import base_model, is_peft_model
+from grpo_hf.vision import (
+    forward_kwargs,
+    is_vision_model,
+    multimodal_model,
+    position_offsets,
+    split_runs,
+    uses_mrope,
+)
 
 if TYPE_CHECKING:
     from grpo_hf.rollout.batching import MicroBatch
@@ -48,20 +56,24 @@ _LOGIT_TRANSFORMS = (
 
 
 def supports_shared_prefix(model: nn.Module) -> bool:
-    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention."""
+    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention; or an
+    image-text-to-text model whose language model is one (its prompts then go through the multimodal model)."""
     if is_peft_model(model):
         if model.active_peft_config.is_prompt_learning:  # virtual tokens are added by PeftModel.forward
             return False
         model = model.get_base_model()
     config = getattr(model, "config", None)
-    if config is None or config.is_encoder_decoder or config.get_text_config() is not config:
+    if config is None or config.is_encoder_decoder:
+        return False
+    text_config = config.get_text_config()
+    if text_config is not config and not is_vision_model(model):
         return False
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
         return False
-    if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS):
+    if any(getattr(c, name, None) is not None for c in (config, text_config) for name in _LOGIT_TRANSFORMS):
         return False
     try:
-        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=text_config).layers)
     except Exception:  # a config the cache classes do not understand
         return False
 
@@ -135,9 +147,10 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
     completion_ids = batch.completion_ids
     P = prompt_ids.size(1)
     lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs (tool output included)
-    for start, stop in prompt_runs(prompt_ids, prompt_mask):
+    for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
-        prompt = decoder(input_ids=prompt_ids[start : start + 1, P - p :], use_cache=True)  # [1, p, H]
+        image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
+        prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
         prompt_kv = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]  # [1, heads, p, d]
         last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
         for bucket in length_buckets(lengths[start:stop]):
@@ -148,12 +161,28 @@ def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch
                 cache = DynamicCache(config=base.config)
                 for layer, (keys, values) in enumerate(prompt_kv):
                     cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
-                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1)  # [n, t - 1]
+                positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1) + offset  # [n, t - 1]
                 completion = decoder(
                     input_ids=completion_ids[rows, : t - 1], position_ids=positions, past_key_values=cache
                 ).last_hidden_state  # [n, t - 1, H]
                 hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
             yield rows, lm_head(hidden)  # [n, t, V]
+
+
+def _prompt_forward(base: nn.Module, decoder: nn.Module, prompt_ids: torch.Tensor, image_row):
+    """One prompt [1, p] through the decoder, with its KV cache; a prompt with images through the multimodal model
+    (its images, or their cached features, in place of its image tokens). Returns the output (`last_hidden_state`,
+    `past_key_values`) and how far the positions after the prompt are from p: Qwen2-VL's M-RoPE gives an image fewer
+    positions than tokens (0 for other models and text prompts)."""
+    if image_row is None:
+        return decoder(input_ids=prompt_ids, use_cache=True), 0
+    output = multimodal_model(base)(
+        input_ids=prompt_ids, use_cache=True, **forward_kwargs(base, prompt_ids, [image_row])
+    )
+    if getattr(output, "past_key_values", None) is None:
+        output.past_key_values = output.cache
+    offsets = position_offsets(base)  # [1, 1] or None
+    return output, (0 if offsets is None else offsets.to(prompt_ids.device))
 
 
 def padded_logps(
@@ -168,9 +197,10 @@ def padded_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
-    Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included. The LM head runs only on the
-    T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`, with a
-    gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
+    Works for every model, wrapped ones (DDP, FSDP, DeepSpeed) included, and for vision-language models: the
+    batch's `image_inputs` (each row's images, or their cached features) go with it (`grpo_hf.vision`). The LM head
+    runs only on the T + 1 last positions (`logits_to_keep`). Also returns the entropy [B, T] when `with_entropy`,
+    with a gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
@@ -179,6 +209,9 @@ def padded_logps(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
     attention_mask = torch.cat([prompt_mask, batch.attention_mask], dim=1)  # [B, P + T], tool output included
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + T], as generate() numbers them
+    vision = forward_kwargs(model, input_ids, batch.image_inputs)  # a VLM's rows' images (or their features)
+    if vision and uses_mrope(model):
+        position_ids = None  # 3-D positions (Qwen2-VL): the model numbers a batch with images itself
     T = completion_ids.size(1)
     outputs = model(
         input_ids=input_ids,
@@ -186,6 +219,7 @@ def padded_logps(
         position_ids=position_ids,
         logits_to_keep=T + 1,
         use_cache=False,
+        **vision,
         **({"output_router_logits": True} if router_aux is not None else {}),
     )
     if router_aux is not None:

@@ -15,6 +15,7 @@ the original bf16 checkpoint, so absolute scores differ slightly from the Hub mo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
@@ -25,11 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from grpo_hf.paths import check_local_path
 from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
 from grpo_hf.validation import check_processing_class
+from grpo_hf.vision import is_vision_model, tokenizer_of, vision_modules
 
 logger = logging.getLogger(__name__)
 
@@ -170,18 +180,21 @@ def load_model(
     cache_dir: str | os.PathLike | None = None,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM from a Hub id, a local directory, or `OFFLINE_MODEL_ID`.
+    """Load a causal LM from a Hub id, a local directory, or `OFFLINE_MODEL_ID`; an image-text-to-text model (its
+    config has a `vision_config`: Qwen2.5-VL, Gemma 3, ...) with `AutoModelForImageTextToText`, as TRL does.
 
     `dtype` is "auto" (the checkpoint's dtype), a torch dtype or its name ("bfloat16"). Extra keyword
-    arguments go to `AutoModelForCausalLM.from_pretrained` (e.g. `attn_implementation`,
-    `device_map`). The model is not moved: `Trainer`/`accelerate` place it on the accelerator.
+    arguments go to `from_pretrained` (e.g. `attn_implementation`, `device_map`). The model is not moved:
+    `Trainer`/`accelerate` place it on the accelerator.
     `cache_dir` only applies to the offline alias.
     """
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     path = check_local_path(resolve_model_path(name_or_path, cache_dir), "model")
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+        return auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except OSError as err:
         if _is_local(path):
             raise
@@ -243,8 +256,13 @@ def build_models(
         raise TypeError(
             f"model must be a model id/path, a PreTrainedModel or a peft.PeftModel, got {type(model).__name__}."
         )
-    source = model_id or model.config._name_or_path
-    processing_class = left_padding_tokenizer(processing_class, source, kwargs.get("trust_remote_code", False))
+    if processing_class is None:
+        processing_class = _load_processing_class(model, model_id, kwargs.get("trust_remote_code", False))
+    check_processing_class(processing_class)
+    tokenizer = tokenizer_of(processing_class)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     if disable_dropout:
         turn_off_dropout(model)
 
@@ -260,29 +278,12 @@ def build_models(
     if peft_config is not None:
         from peft import get_peft_model
 
-        model = get_peft_model(model, peft_config)
+        model = get_peft_model(model, language_model_only(model, peft_config))
         if gradient_checkpointing:
             model.enable_input_require_grads()
         if is_quantized(model):
             cast_adapters_for_qlora(model)
     return model, ref_model, processing_class
-
-
-def left_padding_tokenizer(processing_class, source: str | None, trust_remote_code: bool):
-    """`processing_class`, or the tokenizer loaded from `source` (the model's path) when None, checked, padding on
-    the left, with a pad token (its EOS when it has none)."""
-    if processing_class is None:
-        if not source:
-            raise ValueError(
-                "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer as "
-                "processing_class."
-            )
-        processing_class = load_tokenizer(source, trust_remote_code=trust_remote_code)
-    check_processing_class(processing_class)
-    processing_class.padding_side = "left"
-    if processing_class.pad_token is None:
-        processing_class.pad_token = processing_class.eos_token
-    return processing_class
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
@@ -320,6 +321,31 @@ def cast_adapters_for_qlora(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_magnitude_vector" not in name:
             param.data = param.data.to(torch.bfloat16)
+
+
+def _load_processing_class(model: PreTrainedModel, model_id: str | None, trust_remote_code: bool):
+    """The model's own tokenizer, or for a vision-language model its processor (image processor + tokenizer)."""
+    source = model_id or model.config._name_or_path
+    if not source:
+        raise ValueError(
+            "model was built in memory (it has no name_or_path to load a tokenizer from): pass its tokenizer (a "
+            "vision-language model: its processor) as processing_class."
+        )
+    if is_vision_model(model):
+        return AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    return load_tokenizer(source, trust_remote_code=trust_remote_code)
+
+
+def language_model_only(model: torch.nn.Module, peft_config):
+    """`peft_config` for a vision-language model: adapters on the language model only, the vision side (tower and
+    projector, `vision.vision_modules`) left frozen, unless the config says otherwise (a regex `target_modules`, or
+    its own `exclude_modules`). Other models' configs are returned as they are."""
+    if not is_vision_model(model) or isinstance(getattr(peft_config, "target_modules", None), str):
+        return peft_config
+    if getattr(peft_config, "exclude_modules", None) is not None or not hasattr(peft_config, "exclude_modules"):
+        return peft_config
+    names = "|".join(vision_modules(model))
+    return dataclasses.replace(peft_config, exclude_modules=rf"(.*\.)?({names})(\..*)?")
 
 
 class FP32LMHead(torch.nn.Linear):

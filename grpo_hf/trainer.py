@@ -37,7 +37,7 @@ from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
-from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef
+from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef, tokenizer_of
 from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
@@ -55,15 +55,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
     Args (TRL 1.16's, in TRL's order; docs/design.md, "The public contract"):
-        model: a Hub id or local path (`AutoModelForCausalLM`, `args.model_init_kwargs`), a `PreTrainedModel`, or a
-            `PeftModel`.
+        model: a Hub id or local path (`AutoModelForCausalLM`; a VLM's `AutoModelForImageTextToText`;
+            `args.model_init_kwargs`), a `PreTrainedModel`, or a `PeftModel`.
         reward_funcs: one or a list of: a callable with TRL's reward signature `fn(prompts, completions,
             completion_ids, trainer_state, **columns) -> list[float | None]`, a registry name
             (`grpo_hf.rewards.REWARD_FUNCS`) or `"package.module:function"`, a reward model or its path / Hub id.
         args: a `GRPOConfig`.
         train_dataset, eval_dataset: `datasets.Dataset`s (or streams, `grpo_hf.streams`) with a `prompt` column,
             text or chat messages; every other column reaches the reward functions. eval_dataset may be a dict.
-        processing_class, reward_processing_classes: the tokenizer (None: `model`'s), and one per reward model.
+        processing_class, reward_processing_classes: the tokenizer or VLM processor (None: `model`'s), one per reward.
         callbacks, optimizers: as for `transformers.Trainer`. peft_config, quantization_config: LoRA / QLoRA (TRL's).
         tools, environment_factory: functions the model may call in multi-turn episodes; a class (or a dict name ->
             class) of stateful environments, one per episode, whose methods are tools (docs/tools.md).
@@ -146,8 +146,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """What a run carries from step to step, each piece given what it needs: the metrics, the non-finite guard,
         the log-prob path, the objective, the rollouts (`experience`), the buffered micro-batches; and the callbacks
         around the optimizer step."""
-        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), self.processing_class)
-        self.generation_config = args.generation_config_for(self.processing_class.pad_token_id, self.eos_token_ids)
+        tokenizer = tokenizer_of(self.processing_class)  # a VLM's processor's own
+        self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), tokenizer)
+        self.generation_config = args.generation_config_for(tokenizer.pad_token_id, self.eos_token_ids)
         self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
@@ -234,9 +235,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
-        # With remove_unused_columns=True keep only the prompt (the model's forward signature is irrelevant here).
-        if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
+        if self._signature_columns is None:  # remove_unused_columns=True keeps the prompt and its images
+            self._signature_columns = ["prompt", "image", "images"]
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset

@@ -49,6 +49,8 @@ from grpo_hf.paths import check_local_path, looks_like_local_path
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
 from grpo_hf.rollout.prompts import is_conversational, prompt_text
+from grpo_hf.rollout.vision import IMAGE_COLUMNS
+from grpo_hf.vision import is_processor, tokenizer_of
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,9 @@ def model_max_positions(model) -> int | None:
 
 
 def check_policy_model(model, tokenizer, peft_config=None) -> None:
-    """The policy is a decoder-only causal LM whose vocabulary covers the tokenizer, and something in it trains."""
+    """The policy is a decoder-only causal LM (or an image-text-to-text model) whose vocabulary covers the tokenizer
+    (a processor's own), and something in it trains."""
+    tokenizer = tokenizer_of(tokenizer)
     base = base_model(model)
     config = base.config
     if getattr(config, "is_encoder_decoder", False) or not base.can_generate() or base.get_output_embeddings() is None:
@@ -265,6 +269,12 @@ def _check_rows(
             f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations}). Add "
             "prompts, or lower per_device_train_batch_size / steps_per_generation."
         )
+    if set(IMAGE_COLUMNS) & set(columns) and not is_processor(tokenizer):
+        raise ValueError(
+            f"{name} has image columns ({', '.join(sorted(set(IMAGE_COLUMNS) & set(columns)))}) but "
+            "processing_class is a tokenizer, not a processor: pass the vision-language model's processor "
+            "(AutoProcessor.from_pretrained(...)), or None to load the model's own (docs/vision.md)."
+        )
     indices, prompts = _scan_prompts(dataset, name, seed=args.seed, empty_ok=empty_ok)
     if is_conversational(prompts[0]) and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -381,11 +391,33 @@ def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
         role, content = message.get("role"), message.get("content")
         if role not in MESSAGE_ROLES:
             return "value", f"message {k} has role {role!r}"
-        if not isinstance(content, str):
-            return "type", f"message {k} ({role}) has content of type {type(content).__name__}, not a string"
-    if not any(message["content"].strip() for message in prompt):
+        if not isinstance(content, str) and _parts_problem(content) is not None:
+            return "type", f"message {k} ({role}) has content {_parts_problem(content)}"
+    if not any(_content_text(message["content"]).strip() or _has_image(message["content"]) for message in prompt):
         return "value", _NO_CONTENT
     return None
+
+
+def _parts_problem(content: Any) -> str | None:
+    """What is wrong with a message's content that is not a string: it must be a list of TRL's content parts,
+    `{"type": "text", "text": str}` or `{"type": "image"}` (docs/vision.md)."""
+    if not isinstance(content, list):
+        return f"of type {type(content).__name__}, not a string or a list of content parts"
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "image" or (kind == "text" and isinstance(part.get("text"), str)):
+            continue
+        return f"with a part {part!r} that is neither {{'type': 'text', 'text': str}} nor {{'type': 'image'}}"
+    return None
+
+
+def _content_text(content: str | list) -> str:
+    """A message's text: the string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
+
+
+def _has_image(content: str | list) -> bool:
+    return isinstance(content, list) and any(part["type"] == "image" for part in content)
 
 
 def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_positions: int | None) -> None:
@@ -416,7 +448,7 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
             texts.append(prompt_text(tokenizer, prompts[k], kwargs))
         except Exception as error:
             raise ValueError(f"{name} row {indices[k]}: the chat template fails on this prompt: {error}") from error
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    lengths = [len(ids) for ids in tokenizer_of(tokenizer)(texts, add_special_tokens=False)["input_ids"]]
     for k, length in zip(order, lengths, strict=True):
         kept = length if limit is None else min(length, limit)
         if kept > room:
@@ -430,7 +462,7 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
 
 
 def _num_chars(prompt) -> int:
-    return len(prompt) if isinstance(prompt, str) else sum(len(message["content"]) for message in prompt)
+    return len(prompt) if isinstance(prompt, str) else sum(len(_content_text(m["content"])) for m in prompt)
 
 
 # ---- reward functions ------------------------------------------------------------------------------------------

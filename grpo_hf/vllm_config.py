@@ -184,6 +184,23 @@ class VLLMArguments:
             raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds.")
         if self.vllm_cpu_kvcache_space < 1:
             raise ValueError(f"vllm_cpu_kvcache_space={self.vllm_cpu_kvcache_space} must be >= 1 GiB.")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1]: the fraction of "
+                "GPU memory vLLM may take in colocate mode (TRL's default: 0.3)."
+            )
+        self._check_vllm_length()
+
+    def _check_vllm_length(self) -> None:
+        """vllm_max_model_length leaves room for a prompt beside a whole completion. Whether the data's prompts fit is
+        checked by the engine on the prompts it gets (`rollout.vllm_engine`): vLLM would cut completions short."""
+        length = self.vllm_max_model_length
+        if length is not None and self.use_vllm and length <= self.max_completion_length:
+            raise ValueError(
+                f"vllm_max_model_length={length} leaves no room for a prompt beside max_completion_length="
+                f"{self.max_completion_length}: vLLM would cut every completion short. Raise vllm_max_model_length "
+                "to the longest prompt plus max_completion_length, or leave it None (the model's own)."
+            )
 
     def _check_vllm_bounds(self) -> None:
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max

@@ -18,9 +18,10 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer (one token per byte, no merges): encodes any text and decodes it exactly."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+def build_tiny_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = CHATML_TEMPLATE):
+    """Byte-level tokenizer (one token per byte, no merges): encodes any text and decodes it exactly. `extra_specials`
+    (a vision-language model's image tokens, `tests/tiny_vlm.py`) come after the three ChatML ones."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     vocab = {s: i for i, s in enumerate(specials)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
@@ -31,8 +32,8 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        chat_template=CHATML_TEMPLATE,
+        additional_special_tokens=["<|im_start|>", *extra_specials],
+        chat_template=chat_template,
     )
 
 

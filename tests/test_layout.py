@@ -144,6 +144,9 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         ("grpo_hf.paths", set()),
         ("grpo_hf.peft_utils", set()),
         ("grpo_hf.background", set()),  # the process's event loop for async rewards and tools
+        # `vision` (a VLM's per-row image inputs, the forward's vision arguments, its image tokens): torch and
+        # transformers only, for the rollout engines and the log-prob forwards alike
+        ("grpo_hf.vision", set()),
         # rewards: reward models (rewards/models.py) check their paths with `paths`
         ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths", *LEAVES}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
@@ -151,9 +154,16 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         ("grpo_hf.parallel", set()),
         (
             "grpo_hf.rollout",
-            {"grpo_hf.rollout", "grpo_hf.core", "grpo_hf.parallel", "grpo_hf.peft_utils", "grpo_hf.background"},
+            {
+                "grpo_hf.rollout",
+                "grpo_hf.core",
+                "grpo_hf.parallel",
+                "grpo_hf.peft_utils",
+                "grpo_hf.background",
+                "grpo_hf.vision",
+            },
         ),
-        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils"}),
+        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision"}),
     ],
 )
 def test_lower_layers_import_only_what_is_below_them(layer, allowed):

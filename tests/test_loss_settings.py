@@ -82,7 +82,7 @@ def test_the_keyword_form_takes_exactly_the_settings_and_the_per_call_tensors():
         for name, parameter in inspect.signature(grpo_loss).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    per_call = {"num_items_in_batch", "policy_mask", "sampling_weight"}
+    per_call = {"num_items_in_batch", "policy_mask", "sampling_weight", "off_policy_logps"}
     assert set(keywords) - per_call == set(LossSettings.field_names())
     defaults = {f.name: f.default for f in dataclasses.fields(LossSettings)}
     assert {name: inspect.signature(grpo_loss).parameters[name].default for name in defaults} == defaults

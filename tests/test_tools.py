@@ -436,37 +436,18 @@ def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, en
     sampler.episodes.parse = lambda tok, ids, context, tools: (
         {"role": "assistant", "content": "x"} if "<tool_response>" in tok.decode(context) else first_turn
     )
-    sampled = []
-    original = sampler.engine_for
-
-    def recording_engine(model):
-        engine = original(model)
-        if not hasattr(engine, "_recorded"):
-            generate = engine.generate
-            engine._recorded = True
-            engine.generate = lambda m, ids, mask, **k: (
-                sampled.append((ids, mask, out := generate(m, ids, mask, **k))) or out
-            )
-        return engine
-
-    sampler.engine_for = recording_engine
+    sampled = record_turns(sampler)
     torch.manual_seed(0)
     (batch,) = one_rollout(trainer)
 
     reply = tool_reply_ids(tokenizer, [{"role": "tool", "name": "add", "content": "3"}], {})
-
-    def turn(out, k):
-        return out.completion_ids[k, : int(out.completion_mask[k].sum())].tolist()
-
-    (_, _, first), later = sampled[0], {}  # the first call samples every row's first turn, in row order
-    for ids, mask, out in sampled[1:]:
-        later.update({tuple(ids[k][mask[k].bool()].tolist()): turn(out, k) for k in range(ids.size(0))})
     for row in range(4):
         prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
-        turn1 = turn(first, row)
-        turn2 = later[tuple(prompt + turn1 + reply)]
+        ids = batch.completion_ids[row].tolist()
+        (turn1,) = [t for t in sampled[tuple(prompt)] if ids[: len(t)] == t]  # one of the prompt's first turns
+        (turn2,) = sampled[tuple(prompt + turn1 + reply)]
         n = len(turn1) + len(reply) + len(turn2)
-        assert batch.completion_ids[row, :n].tolist() == turn1 + reply + turn2
+        assert ids[:n] == turn1 + reply + turn2
         assert batch.completion_mask[row, :n].tolist() == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
         assert turn1[-1] % 2 == 1 and turn2[-1] % 2 == 1  # each turn ends with its EOS, which is in the loss
 
@@ -480,6 +461,53 @@ def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, en
     shared, _ = completion_logps(model, batch, share_prefix=True)
     attended = batch.attention_mask.bool()
     torch.testing.assert_close(shared[attended], logps.detach()[attended], rtol=1e-5, atol=1e-5)
+
+
+def record_turns(sampler) -> dict[tuple[int, ...], list[list[int]]]:
+    """Record every turn the sampler's engine samples, by the context ids it was sampled after: from `generate`
+    (one call per round of turns) or, for an engine that decodes turns as they come (`loop`), from its source."""
+    turns: dict[tuple[int, ...], list[list[int]]] = {}
+    original = sampler.engine_for
+
+    def recording(model):
+        engine = original(model)
+        if hasattr(engine, "_recording"):
+            return engine
+        engine._recording = True
+        if hasattr(engine, "decode_turns"):
+            decode = engine.decode_turns
+
+            def decode_recording(model, source):
+                poll, done, contexts = source.poll, source.turn_done, {}
+
+                def polled(block):
+                    ready = poll(block)
+                    contexts.update({key: list(context) for key, context, _ in ready})
+                    return ready
+
+                def turn_done(key, turn, logps):
+                    turns.setdefault(tuple(contexts[key]), []).append(list(turn))
+                    done(key, turn, logps)
+
+                source.poll, source.turn_done = polled, turn_done
+                decode(model, source)
+
+            engine.decode_turns = decode_recording
+        else:
+            generate = engine.generate
+
+            def generate_recording(model, ids, mask, **kwargs):
+                out = generate(model, ids, mask, **kwargs)
+                for k in range(ids.size(0)):
+                    turn = out.completion_ids[k, : int(out.completion_mask[k].sum())].tolist()
+                    turns.setdefault(tuple(ids[k][mask[k].bool()].tolist()), []).append(turn)
+                return out
+
+            engine.generate = generate_recording
+        return engine
+
+    sampler.engine_for = recording
+    return turns
 
 
 def call_of(name: str, **arguments) -> dict:
@@ -691,3 +719,57 @@ def test_rollout_func_token_ids_outside_the_vocabulary(tmp_path, bad, key):
     )
     with pytest.raises(ValueError, match=rf"rollout_func returned {key}\[2\] with token ids \[{bad}\] outside"):
         one_rollout(trainer)
+
+
+# ---- the loop engine: turns join the decoding batch at the next token step ------------------------------------------
+class _ScriptedSource:
+    """Three episodes of three turns; a turn's `reply` ids come back `delay` polls after it ends (a tool's latency)."""
+
+    def __init__(self, prompts: list[list[int]], reply: list[int], delay: int = 1, turns: int = 3, budget: int = 10):
+        self.contexts, self.reply, self.delay = [list(p) for p in prompts], reply, delay
+        self.turns, self.budget, self.count = turns, budget, [0] * len(prompts)
+        self.ready, self.waiting, self.done_turns = list(range(len(prompts))), [], []
+        self.polls, self.joined_mid_decode = 0, False
+
+    def poll(self, block):
+        self.polls += 1
+        back = [k for k, at in self.waiting if at <= self.polls or block]
+        self.waiting = [(k, at) for k, at in self.waiting if k not in back]
+        self.ready += back
+        ready, self.ready = self.ready, []
+        if ready and not block:
+            self.joined_mid_decode = True  # handed out while other turns were still being decoded
+        return [(k, list(self.contexts[k]), self.budget) for k in ready]
+
+    def turn_done(self, k, turn, logps):
+        self.done_turns.append((list(self.contexts[k]), list(turn), list(logps)))
+        self.count[k] += 1
+        self.contexts[k] += turn
+        if self.count[k] < self.turns:
+            self.contexts[k] += self.reply
+            self.waiting.append((k, self.polls + self.delay))
+
+
+def test_loop_turns_join_the_batch_and_keep_the_models_log_probs(tokenizer):
+    """`loop.decode_turns` with turns that come back at different times: some join while others are mid-turn, the
+    batch's cache grows on the left for longer contexts, finished rows leave it; every sampled token's log-prob is
+    the one a plain forward over its context gives (so each row read exactly its own context)."""
+    from transformers import GenerationConfig
+
+    from grpo_hf.rollout.loop import decode_turns
+
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("ab", "a longer one", "xyz!")]
+    source = _ScriptedSource(prompts, reply=tokenizer(" <r> ", add_special_tokens=False)["input_ids"])
+    config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id)
+    ends = [i for i in range(len(tokenizer)) if i % 5 == 0]  # a fifth of the tokens end a turn: varied lengths
+    torch.manual_seed(0)
+    decode_turns(model, source, config, ends)
+    assert len(source.done_turns) == 9 and source.joined_mid_decode
+    with torch.no_grad():
+        for context, turn, logps in source.done_turns:
+            ids = torch.tensor([context + turn])
+            expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
+            expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+            assert turn[-1] % 5 == 0 or len(turn) == 10  # an EOS or the budget ends a turn

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 from test_fast_paths import assert_draws_follow_the_model
 from transformers import GenerationConfig
@@ -176,14 +176,25 @@ def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, t
     engine.on_weights_updated(None)
 
 
+SHORT_TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def test_tool_episodes_on_vllm_keep_the_sampled_ids_and_vllms_log_probs(trained, tmp_path):
     """A tool episode on the vLLM engine: every first turn is read as a call of `add` (the reading is scripted, the
     sampling is vLLM's; an odd token id ends a turn). The sampler's log-probs are vLLM's on the sampled tokens (the
     trainer's to 1e-4: the turns were sampled after the very ids the rows hold) and 0 on the replies, which the
     importance ratio leaves out."""
-    from test_tools import add, call_of, one_rollout, tool_tokenizer
+    from test_tools import add, call_of, one_rollout
 
-    engine, tokenizer = trained[0].rollout, tool_tokenizer()
+    engine, tokenizer = trained[0].rollout, build_tiny_tokenizer()
+    # A short template that renders tool calls (the module's engine holds 520 positions); the reading is scripted
+    tokenizer.chat_template = SHORT_TOOL_TEMPLATE
+    tokenizer.response_template = "scripted"  # parse_response is not called: the test reads each turn itself
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=48,
         max_prompt_length=None, beta=0.0, use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to="none",

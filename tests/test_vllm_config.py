@@ -67,11 +67,35 @@ def test_the_deprecated_cap_sets_clip_max(tmp_path):
         ),
         ({"vllm_server_timeout": 0}, "vllm_server_timeout=0 must be > 0"),
         ({"vllm_model_impl": "sglang"}, "vllm_model_impl='sglang' is not one of"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"vllm_gpu_memory_utilization=1.5 must be in \(0, 1\]"),
+        ({"vllm_gpu_memory_utilization": 0.0}, r"vllm_gpu_memory_utilization=0.0 must be in \(0, 1\]"),
+        (
+            {"vllm_max_model_length": 8, "max_completion_length": 8},
+            r"vllm_max_model_length=8 leaves no room for a prompt beside max_completion_length=8",
+        ),
     ],
 )
 def test_impossible_settings_are_refused_with_the_field(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         _config(tmp_path, use_vllm=True, **overrides)
+
+
+def test_a_context_window_that_fits_is_accepted(tmp_path):
+    config = _config(tmp_path, use_vllm=True, vllm_max_model_length=16, max_completion_length=8)
+    assert config.vllm_max_model_length == 16  # prompts of up to 8 tokens fit: the engine checks the ones it gets
+    assert _config(tmp_path, use_vllm=True, vllm_gpu_memory_utilization=1.0).vllm_gpu_memory_utilization == 1.0
+
+
+def test_the_engine_refuses_a_prompt_with_no_room_for_a_whole_completion():
+    """With max_prompt_length=None the config cannot tell; the engine checks the prompts it is given against the
+    window vLLM chose, instead of letting vLLM end the completions early."""
+    from grpo_hf.rollout.vllm_engine import _check_room
+
+    _check_room([[1] * 8, [1] * 12], max_tokens=8, max_model_len=20)  # fits exactly
+    with pytest.raises(
+        ValueError, match=r"is 16 tokens, but a prompt of 12 tokens and max_completion_length=8 need 20"
+    ):
+        _check_room([[1] * 8, [1] * 12], max_tokens=8, max_model_len=16)
 
 
 def test_without_vllm_installed_the_engine_says_how_to_install_it(monkeypatch):

@@ -218,8 +218,12 @@ def reward_sources(reward_funcs, reward_processing_classes, args, owned: list[Ca
     """A run's reward functions, their names and weights [R]: `reward_funcs` (built by `build_reward_funcs`,
     weighted by `args.reward_weights`), then `owned` (an environment's own rewards, weight 1 each, as TRL). With
     `owned` rewards, `reward_funcs` may be None."""
-    given = [] if owned and not reward_funcs else reward_funcs
-    funcs = build_reward_funcs(given, reward_processing_classes, args.model_load_kwargs()) if given else []
+    none_given = reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs)
+    funcs = (
+        []
+        if owned and none_given
+        else build_reward_funcs(reward_funcs, reward_processing_classes, args.model_load_kwargs())
+    )
     names = [reward_func_name(f) for f in funcs]
     weights = torch.cat([reward_weights(args.reward_weights, names), torch.ones(len(owned))])
     return funcs + list(owned), names + [f.__name__ for f in owned], weights

@@ -39,6 +39,9 @@ class Sequences:
     # [B, T] long, 1 on tokens inside the completion that the model read but did not sample (tool results, environment
     # feedback of a multi-turn episode): attended to, out of the loss. None: there are none.
     context_mask: Tensor | None = field(default=None, kw_only=True)
+    # [B] a vision-language model's rows' image inputs (`grpo_hf.vision.ImageRow`, one dict shared by a group's rows;
+    # None for a text-only row), or None when no row has images (`rollout.vision`)
+    image_inputs: list | None = field(default=None, kw_only=True)
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
@@ -49,13 +52,14 @@ class Sequences:
         them (a contiguous run from the first column)."""
         return self.completion_mask if self.context_mask is None else self.completion_mask + self.context_mask
 
-    def tokens(self) -> dict[str, Tensor | None]:
-        """The token tensors by name (of a `Rollout` or `MicroBatch` too: what a new batch is built from)."""
+    def tokens(self) -> dict[str, Tensor | list | None]:
+        """The token tensors and the rows' image inputs by name (of a `Rollout` or `MicroBatch` too: what a new batch
+        is built from)."""
         return {f.name: getattr(self, f.name) for f in fields(Sequences)}
 
     def rows(self, start: int, stop: int) -> Sequences:
-        """Rows [start, stop) of the token tensors, as plain `Sequences`."""
-        return Sequences(**{name: None if v is None else v[start:stop] for name, v in self.tokens().items()})
+        """Rows [start, stop) of the token tensors and the image inputs, as plain `Sequences`."""
+        return Sequences(**{name: _rows_of(value, start, stop) for name, value in self.tokens().items()})
 
 
 @dataclass
@@ -132,12 +136,18 @@ def split_into_micro_batches(
 
 
 def _tensor_rows(batch: MicroBatch, start: int, stop: int) -> dict[str, Tensor]:
-    """Rows [start, stop) of every per-row tensor of `batch` (the scalar token count stays as it is)."""
+    """Rows [start, stop) of every per-row tensor of `batch` (the scalar token count stays as it is), and of its
+    image inputs."""
     return {
         f.name: value[start:stop]
         for f in fields(batch)
         if isinstance(value := getattr(batch, f.name), Tensor) and value.dim() > 0
-    }
+    } | {"image_inputs": _rows_of(batch.image_inputs, start, stop)}
+
+
+def _rows_of(value, start: int, stop: int):
+    """Rows [start, stop) of a per-row tensor or list; None stays None."""
+    return None if value is None else value[start:stop]
 
 
 def pad_to_multiple(batch: MicroBatch, multiple: int | None, pad_token_id: int) -> MicroBatch:

@@ -44,6 +44,7 @@ class RolloutEngine:
     """
 
     name = "base"
+    takes_images = False  # `sample` takes `images`: each row's image inputs (`grpo_hf.vision`), for VLMs
     # True: every call samples up to the configured max_new_tokens whatever `generate` is asked (`cuda_graph`: one
     # captured graph per length; a tool episode cuts each turn to its budget instead).
     fixed_length = False
@@ -51,6 +52,7 @@ class RolloutEngine:
     def __init__(self, generation_config, eos_token_ids: Sequence[int]):
         self.generation_config = generation_config
         self.eos_token_ids = list(eos_token_ids)
+        self.blocked_token_ids: list[int] = []  # never sampled (a VLM's image tokens); engines that take images
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
@@ -69,17 +71,24 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        model,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images=None,
     ) -> Completions:
         """`max_new_tokens`: this call's bound (a tool episode's next turn: what is left of max_completion_length);
-        None: the generation config's."""
+        None: the generation config's. `images`: each row's image inputs (`grpo_hf.vision.ImageRow`, None for a
+        text-only row), given only to engines that take them (`takes_images`)."""
         was_training, config = model.training, self.generation_config
         if max_new_tokens is not None and max_new_tokens != config.max_new_tokens and not self.fixed_length:
             self.generation_config = copy.copy(config)
             self.generation_config.max_new_tokens = max_new_tokens
         model.eval()
         try:
-            completion_ids = self.sample(model, prompt_ids, prompt_mask)  # [N, T]
+            extra = {"images": images} if images is not None else {}
+            completion_ids = self.sample(model, prompt_ids, prompt_mask, **extra)  # [N, T]
         finally:
             model.train(was_training)
             self.generation_config = config
@@ -129,6 +138,7 @@ def make_engine(
     *,
     sharded: bool = False,
     device: torch.device | None = None,
+    blocked_token_ids: Sequence[int] = (),
     **options,
 ) -> tuple[RolloutEngine, str]:
     """The engine to use, and one line saying which and why (for the log).
@@ -136,6 +146,8 @@ def make_engine(
     `sharded=True` (FSDP, DeepSpeed ZeRO-3: parameters are gathered anew for each rollout) rules out engines that keep
     references to the weights between calls (`cuda_graph`). `options` go to the chosen engine's constructor
     when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
+    `blocked_token_ids` (a vision-language model's image tokens) rule out engines that do not take images, and the
+    engine chosen never samples them.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     chain = _CHAINS["cuda" if device.type == "cuda" else "other"]
@@ -151,9 +163,12 @@ def make_engine(
         reason = cls.unsupported_reason(model, generation_config)
         if reason is None and sharded and candidate == "cuda_graph":
             reason = "the weights are sharded (FSDP / ZeRO-3) and gathered anew for each rollout"
+        if reason is None and blocked_token_ids and not cls.takes_images:
+            reason = "it does not take images (a vision-language model)"
         if reason is None:
             accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
             engine = cls(generation_config, eos_token_ids, **accepted)
+            engine.blocked_token_ids = list(blocked_token_ids)
             why = f"rollout engine: {candidate}" + (f" (requested {name})" if name != candidate else "")
             if skipped:
                 why += "; skipped " + "; ".join(skipped)

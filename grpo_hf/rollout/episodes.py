@@ -15,10 +15,12 @@ dropped and the episode ends there, counted as truncated (`mask_truncated_comple
 reaches it without an EOS ends the episode, truncated. `max_tool_calling_iterations` (None: no limit) bounds the
 rounds of tool calls; a turn asking for more ends the episode as it is.
 
-Scheduling (turn-level asynchronous batching): the turns of every episode that is ready to sample are sampled in one
-engine call; while some episodes' tools run, the others go on. After each engine call the runner waits only until
-*some* tool calls have returned, then samples the next turns of those episodes, so a slow tool holds back its own
-episode and not the batch. Finished episodes leave the batch. Tools of different episodes run at the same time.
+Scheduling: tools of different episodes run at the same time, and no episode waits for the slowest. With an engine
+that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as soon as it ends and the
+episode's next turn joins the decoding batch at the next token step once they have returned. With the other engines
+(`run`), the turns of every episode ready to sample are sampled in one engine call; the runner then waits only until
+*some* tool calls have returned and samples those episodes' next turns, so a slow tool holds back its own episode and
+not the batch. Finished episodes leave the batch.
 """
 
 from __future__ import annotations
@@ -96,10 +98,7 @@ class EpisodeRunner:
         self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
     ) -> Episodes:
         """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row)."""
-        episodes = [
-            _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
-            for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
-        ]
+        episodes = self._start(prompt_ids, prompt_mask, tools)
         ready, in_flight, counts = list(episodes), [], [0, 0]
         while ready or in_flight:
             if ready:
@@ -110,10 +109,32 @@ class EpisodeRunner:
                 ready, in_flight = self._take_replies(in_flight, counts)
         return self._as_rows(episodes, prompt_ids.device, *counts)
 
+    def run_joining(
+        self, decode: Callable[[_Turns], None], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools
+    ) -> Episodes:
+        """`run` on an engine that decodes turns as they come (`decode(source)`, the `loop` engine's
+        `decode_turns`): a turn whose tools have returned joins the decoding batch at the next token step, and a
+        turn's tools start as soon as it ends."""
+        episodes = self._start(prompt_ids, prompt_mask, tools)
+        source = _Turns(self, episodes)
+        decode(source)
+        self._has_logps = False  # the engine's own draw: the policy's log-probs, nothing to correct
+        return self._as_rows(episodes, prompt_ids.device, *source.counts)
+
+    def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
+        return [
+            _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
+            for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
+        ]
+
+    def budget(self, episode: _Episode) -> int:
+        """The most tokens the episode's next turn may take."""
+        return self.max_completion_length - len(episode.ids)
+
     def _sample_turns(self, generate: Generate, ready: list[_Episode]) -> list[_Episode]:
         """Sample the next turn of each episode of `ready` in one engine call; start the tools of the turns that
         ask for them and return those episodes."""
-        budgets = [self.max_completion_length - len(e.ids) for e in ready]
+        budgets = [self.budget(e) for e in ready]
         ids, mask = pad_token_lists([e.context for e in ready], self.tokenizer.pad_token_id, left=True)
         completion_ids, completion_mask, logps = generate(ids, mask, max(budgets))  # [n, T] each
         self._has_logps = logps is not None
@@ -122,20 +143,25 @@ class EpisodeRunner:
         calling = []
         for row, (episode, budget) in enumerate(zip(ready, budgets, strict=True)):
             n = min(int(completion_mask[row].sum()), budget)
-            turn = completion_ids[row, :n].tolist()
-            context = episode.context
-            episode.ids += turn
-            episode.sampled += [1] * n
-            episode.logps += logps[row, :n].tolist() if logps is not None else [0.0] * n
-            ended = n > 0 and turn[-1] in self.eos_token_ids
-            message = self.parse(self.tokenizer, turn, context, list(episode.tools.values()))
-            episode.messages.append(message)
-            if not ended:
-                episode.truncated = True
-            elif message.get("tool_calls") and (self.max_rounds is None or episode.rounds < self.max_rounds):
-                episode.calls = self.caller.submit(message["tool_calls"], episode.tools)
+            turn_logps = logps[row, :n].tolist() if logps is not None else [0.0] * n
+            if self.end_turn(episode, completion_ids[row, :n].tolist(), turn_logps):
                 calling.append(episode)
         return calling
+
+    def end_turn(self, episode: _Episode, turn: list[int], logps: list[float]) -> bool:
+        """Append a sampled turn to its episode and read it: True when it asks for tools, whose calls start now."""
+        context = episode.context
+        episode.ids += turn
+        episode.sampled += [1] * len(turn)
+        episode.logps += logps
+        message = self.parse(self.tokenizer, turn, context, list(episode.tools.values()))
+        episode.messages.append(message)
+        if not turn or turn[-1] not in self.eos_token_ids:  # the budget ran out mid-turn
+            episode.truncated = True
+        elif message.get("tool_calls") and (self.max_rounds is None or episode.rounds < self.max_rounds):
+            episode.calls = self.caller.submit(message["tool_calls"], episode.tools)
+            return True
+        return False
 
     def _take_replies(self, in_flight: list[_Episode], counts: list[int]) -> tuple[list[_Episode], list[_Episode]]:
         """Append the replies of the episodes whose calls are done; return (episodes to sample, still calling)."""
@@ -177,3 +203,34 @@ class EpisodeRunner:
             tool_calls=tool_calls,
             tool_failures=tool_failures,
         )
+
+
+class _Turns:
+    """The turns of a run's episodes as an engine that decodes them as they come takes them (`loop.decode_turns`):
+    `poll` hands out the episodes ready for a turn, `turn_done` takes each turn back when it ends."""
+
+    def __init__(self, runner: EpisodeRunner, episodes: list[_Episode]):
+        self.runner, self.episodes = runner, episodes
+        self.ready, self.in_flight, self.counts = list(range(len(episodes))), [], [0, 0]
+
+    def poll(self, block: bool) -> list[tuple[int, list[int], int]]:
+        """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait for
+        tool calls in flight until some are; [] then means every episode is done."""
+        if self.in_flight:
+            self._collect()
+        if block and not self.ready and self.in_flight:
+            self.runner.caller.wait_any([self.episodes[k].calls for k in self.in_flight])
+            self._collect()
+        ready, self.ready = self.ready, []
+        return [(k, self.episodes[k].context, self.runner.budget(self.episodes[k])) for k in ready]
+
+    def turn_done(self, k: int, turn: list[int], logps: list[float]) -> None:
+        if self.runner.end_turn(self.episodes[k], turn, logps):
+            self.in_flight.append(k)
+
+    def _collect(self) -> None:
+        calling = [self.episodes[k] for k in self.in_flight]
+        ready, waiting = self.runner._take_replies(calling, self.counts)
+        index = {id(e): k for k, e in enumerate(self.episodes)}
+        self.ready += [index[id(e)] for e in ready]
+        self.in_flight = [index[id(e)] for e in waiting]

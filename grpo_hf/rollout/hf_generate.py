@@ -19,6 +19,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.vision import forward_kwargs
 
 
 class _OwnValueDtypeLayer(StaticLayer):
@@ -47,12 +48,16 @@ class GenerateEngine(RolloutEngine):
     """`model.generate` with the trainer's generation config."""
 
     name = "generate"
+    takes_images = True
     cache_implementation: str | None = None  # None: the generation config's own
     cache_bucket = 64  # a static cache's length is rounded up to a multiple of this
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
         config = self.generation_config
-        kwargs = {}
+        kwargs = forward_kwargs(model, prompt_ids, images)  # a VLM's image inputs, row by row
+        if self.blocked_token_ids:
+            config = copy.copy(config)
+            config.suppress_tokens = [*(config.suppress_tokens or []), *self.blocked_token_ids]
         if (self.cache_implementation or config.cache_implementation) == "static":
             config = copy.copy(config)
             config.cache_implementation = None

@@ -11,8 +11,11 @@ sampled distribution is the configured one. On a GPU it is bound by kernel launc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -25,19 +28,38 @@ from grpo_hf.rollout.sampling import (
     sample_categorical,
     unsupported_reason,
 )
+from grpo_hf.vision import has_images, position_offsets
 
 
 class LoopEngine(RolloutEngine):
     """`sample_groups` behind the engine interface."""
 
     name = "loop"
+    takes_images = True
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
         return unsupported_reason(model, generation_config)
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        return sample_groups(model, prompt_ids, prompt_mask, self.generation_config, self.eos_token_ids)
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
+        return sample_groups(
+            model,
+            prompt_ids,
+            prompt_mask,
+            self.generation_config,
+            self.eos_token_ids,
+            images=images,
+            blocked_token_ids=self.blocked_token_ids,
+        )
+
+    def decode_turns(self, model, source) -> None:
+        """Tool episodes' turns, each joining the batch at the next token step (`decode_turns`), in eval mode."""
+        was_training = model.training
+        model.eval()
+        try:
+            decode_turns(model, source, self.generation_config, self.eos_token_ids)
+        finally:
+            model.train(was_training)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -98,7 +120,13 @@ _MIN_STEPS_TO_DROP_ROWS = 8
 
 @torch.no_grad()
 def sample_groups(
-    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, eos_token_ids: Sequence[int]
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generation_config,
+    eos_token_ids: Sequence[int],
+    images=None,
+    blocked_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Sample one completion per row, the prompt of each run of identical rows prefilled once.
 
@@ -110,31 +138,30 @@ def sample_groups(
     grown by concatenation each step, finished rows leave the decoding batch
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
+    A VLM's rows' image inputs (`images`) go to the prefill; `blocked_token_ids` (image tokens) are never drawn.
     Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
     """
     N, P = prompt_ids.shape
     T = generation_config.max_new_tokens
     device = prompt_ids.device
     cache = _preallocated_cache(model.config, P + T)
-    logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache)  # [U, V], [N]
-    logits = logits.float()
-    if logits.size(0) < N:
-        _take_cache_rows(cache, prompt_of_row)
-        logits = logits[prompt_of_row]  # [N, V]
+    logits, next_position = _prefill(model, prompt_ids, prompt_mask, cache, images)  # [N, V], [N, 1]
 
     eos = torch.tensor(list(eos_token_ids), device=device)
     pad = generation_config.pad_token_id
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((N, T), pad)], dim=1)  # [N, P + T]
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, T))], dim=1)  # [N, P + T]
-    next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
     # The decoding batch: rows that have not produced an EOS yet (finished rows keep the pad they start with).
     rows = torch.arange(N, device=device)  # [A] row of `sequences` of each batch row
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
     generation_config = resolve_sampling_settings(model, generation_config)
     processors = logits_processors(generation_config, prompt_mask)
+    blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     keyword = cache_keyword(model)  # looked up once, not per token
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
+        if blocked.numel():
+            logits = logits.index_fill(1, blocked, float("-inf"))
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
         # One uniform per original row and step, whichever rows are still in the batch.
         uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
@@ -154,6 +181,21 @@ def sample_groups(
     return sequences[:, P : P + t + 1]  # [N, T]
 
 
+def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each distinct prompt prefilled once into `cache`, its rows repeated to the N rows: fp32 logits [N, V] and the
+    position of each row's first completion token [N, 1] (M-RoPE models: shifted by the span of its images)."""
+    logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache, images)  # [U, V], [N]
+    logits = logits.float()
+    next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
+    offsets = position_offsets(model) if has_images(images) else None  # [U, 1]
+    if offsets is not None:
+        next_position = next_position + offsets.to(next_position.device)[prompt_of_row]
+    if logits.size(0) < prompt_ids.size(0):
+        _take_cache_rows(cache, prompt_of_row)
+        logits = logits[prompt_of_row]  # [N, V]
+    return logits, next_position
+
+
 def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
     """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache (passed as
     `keyword`, `cache_keyword`) extended."""
@@ -166,3 +208,140 @@ def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) 
         **{keyword: cache},
     )
     return output.logits[:, -1].float()
+
+
+# ---- tool episodes: turns that join the decoding batch at the next token step ---------------------------------------
+@dataclass
+class _Decoding:
+    """The rows being decoded, each a turn of an episode, in one KV cache: each row's context right-aligned (left
+    padding masked), so a row that joins later takes the columns up to the current end."""
+
+    keys: list  # [A] the source's key of each row
+    tokens: torch.Tensor  # [A, C] long: each row's context and sampled tokens, left-padded
+    mask: torch.Tensor  # [A, C] long: 1 on real tokens
+    budgets: torch.Tensor  # [A] long: the most tokens each row may sample in this turn
+    sampled: torch.Tensor  # [A] long: tokens sampled so far in this turn
+    turns: list[list[int]]  # [A] this turn's tokens so far
+    logps: list[list[float]]  # [A] their log-probs under the sampling distribution
+    logits: torch.Tensor  # [A, V] fp32: the next token's
+
+
+@torch.no_grad()
+def decode_turns(model, source, generation_config, eos_token_ids: Sequence[int]) -> None:
+    """Sample turns as `source` hands them out, each row joining the decoding batch at the next token step.
+
+    `source.poll(block)` gives the rows ready to sample a turn, as `(key, context ids, max new tokens)`; with
+    `block=True` (nothing left to decode) it waits until some are, and `[]` then means there are no more.
+    `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
+    the log-probs of its tokens under the sampling distribution; the row leaves the batch. The draw at each step is
+    the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once. Call it
+    in eval mode.
+    """
+    config = resolve_sampling_settings(model, generation_config)
+    device = next(model.parameters()).device
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    keyword, cache, rows = cache_keyword(model), None, None
+    uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
+    while True:
+        ready = source.poll(block=rows is None)
+        if ready:
+            cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
+        if rows is None:
+            return
+        scores = logits_processors(config, rows.mask)(rows.tokens, rows.logits)  # [A, V]
+        probs = torch.softmax(scores, dim=-1)
+        tokens = sample_categorical(probs, torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device))  # [A]
+        token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]
+        positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
+        rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
+        rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
+        rows.sampled += 1
+        finished = torch.isin(tokens, eos) | (rows.sampled >= rows.budgets)  # [A]
+        for turn, logps, token, logp in zip(
+            rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True
+        ):
+            turn.append(token)
+            logps.append(logp)
+        done = finished.tolist()
+        for key, turn, logps, is_done in zip(rows.keys, rows.turns, rows.logps, done, strict=True):
+            if is_done:
+                source.turn_done(key, turn, logps)
+        if all(done):
+            cache, rows = None, None
+            continue
+        if any(done):
+            keep = torch.nonzero(~finished).flatten()  # [A']
+            rows, tokens, positions = _take(rows, keep), tokens[keep], positions[keep]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
+
+
+def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device) -> tuple[Any, _Decoding]:
+    """Prefill the contexts of `ready` and add them to the batch: every row right-aligned to the longest context or
+    the batch's current length, whichever is longer (the batch's rows and cache padded on the left if needed)."""
+    keys, contexts, budgets = zip(*ready, strict=True)
+    width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, context in enumerate(contexts):
+        ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long, device=device)
+        mask[i, width - len(context) :] = 1
+    fresh = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [k, width] as `generate` numbers them
+    logits = (
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: fresh},
+        )
+        .logits[:, -1]
+        .float()
+    )  # [k, V]
+    new = _Decoding(
+        keys=list(keys),
+        tokens=ids,
+        mask=mask,
+        budgets=torch.tensor(budgets, device=device),
+        sampled=torch.zeros(len(keys), dtype=torch.long, device=device),
+        turns=[[] for _ in keys],
+        logps=[[] for _ in keys],
+        logits=logits,
+    )
+    if rows is None:
+        return fresh, new
+    missing = width - rows.tokens.size(1)  # the batch's rows, padded on the left to the new width
+    rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
+    rows.mask = nn.functional.pad(rows.mask, (missing, 0))
+    for layer, joined in zip(cache.layers, fresh.layers, strict=True):
+        old_keys, old_values = (nn.functional.pad(x, (0, 0, missing, 0)) for x in (layer.keys, layer.values))
+        layer.keys, layer.values = torch.cat([old_keys, joined.keys]), torch.cat([old_values, joined.values])
+    merged = _Decoding(
+        keys=rows.keys + new.keys,
+        tokens=torch.cat([rows.tokens, new.tokens]),
+        mask=torch.cat([rows.mask, new.mask]),
+        budgets=torch.cat([rows.budgets, new.budgets]),
+        sampled=torch.cat([rows.sampled, new.sampled]),
+        turns=rows.turns + new.turns,
+        logps=rows.logps + new.logps,
+        logits=torch.cat([rows.logits, new.logits]),
+    )
+    return cache, merged
+
+
+def _take(rows: _Decoding, keep: torch.Tensor) -> _Decoding:
+    """Rows `keep` of the batch (the others' turns have ended)."""
+    index = keep.tolist()
+    return _Decoding(
+        keys=[rows.keys[i] for i in index],
+        tokens=rows.tokens[keep],
+        mask=rows.mask[keep],
+        budgets=rows.budgets[keep],
+        sampled=rows.sampled[keep],
+        turns=[rows.turns[i] for i in index],
+        logps=[rows.logps[i] for i in index],
+        logits=rows.logits[keep],
+    )

@@ -29,6 +29,8 @@ from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
 from grpo_hf.rollout.episodes import EpisodeRunner
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
 from grpo_hf.rollout.tools import tool_chat_template
+from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
+from grpo_hf.vision import has_images, image_token_ids, is_processor, tokenizer_of
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +109,9 @@ class Sampler:
         rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
         agentic: ToolSetup | None = None,  # tools and environments: tool episodes
     ):
-        self.args, self.accelerator, self.tokenizer, self.generation = args, accelerator, tokenizer, generation
+        self.args, self.accelerator, self.generation = args, accelerator, generation
+        # A VLM's processor tokenizes prompts with their images (`rollout.vision`); its tokenizer does the rest.
+        self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
         self.wrapped, self.rollout_func = wrapped, rollout_func
         self.tools = agentic.tools if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
@@ -118,7 +122,7 @@ class Sampler:
             if agentic.template is not None:
                 self.template_kwargs["chat_template"] = agentic.template
             self.episodes = EpisodeRunner(
-                tokenizer,
+                self.tokenizer,
                 max_completion_length=args.max_completion_length,
                 eos_token_ids=generation.eos_token_ids,
                 max_tool_calling_iterations=args.max_tool_calling_iterations,
@@ -145,16 +149,36 @@ class Sampler:
             )
         if self.episodes is not None:
             return self._episodes(prompts, columns)
-        prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts)
+        prompt_ids, prompt_mask, is_prompt_truncated, images = self._tokenize_images(prompts, columns)
         with self.model_for_generation() as model:
             engine = self.engine_for(model)
-            completion_ids, completion_mask, is_truncated = engine.generate(model, prompt_ids, prompt_mask)
+            completion_ids, completion_mask, is_truncated = engine.generate(
+                model, prompt_ids, prompt_mask, **({"images": images} if images else {})
+            )
         logps = _engine_logps(engine, completion_mask)
-        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=images)
         return Sampled(tokens, is_truncated, is_prompt_truncated, logps)
+
+    def _tokenize_images(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
+        """`_tokenize`, and for a VLM each row's image inputs (None when no row has images): by the processor with
+        each row's `image`/`images` (`rollout.vision`), a group's rows sharing one dict."""
+        if self.processor is None:
+            return *self._tokenize(prompts), None
+        images = [row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))]
+        settings = (self.args.max_prompt_length, self.generation.chat_template_kwargs)
+        ids, mask, truncated, rows = tokenize_vision_prompts(self.processor, prompts, images, *settings)
+        device = self.accelerator.device
+        on_device = {id(r): {k: v.to(device) for k, v in r.items()} for r in rows if r}
+        rows = [on_device[id(r)] if r else None for r in rows]  # a group's rows still share one
+        return ids.to(device), mask.to(device), truncated, (rows if has_images(rows) else None)
 
     def _episodes(self, prompts: list, columns: dict[str, list]) -> Sampled:
         """Tool episodes: reset each row's environment, render its prompt with its tools, run the episodes."""
+        if any(row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))):
+            raise ValueError(
+                "Tool episodes do not take images yet: rows with `image`/`images` and tools= or environment_factory= "
+                "cannot be combined (docs/vision.md). Drop the image columns or the tools."
+            )
         row_tools = [self.tools] * len(prompts)
         schema_tools = row_tools
         if self.environments is not None:
@@ -177,7 +201,12 @@ class Sampler:
                 completion_ids, completion_mask, _ = engine.generate(model, ids, mask, max_new_tokens=max_new_tokens)
                 return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
 
-            run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
+            if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
+                run = self.episodes.run_joining(
+                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools
+                )
+            else:  # one engine call per round of ready turns
+                run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
         tokens = Sequences(
             prompt_ids, prompt_mask, run.completion_ids, run.completion_mask, context_mask=run.context_mask
         )
@@ -218,6 +247,7 @@ class Sampler:
                 args=self.args,  # for the engines that take settings from it (vllm)
                 accelerator=self.accelerator,
                 tokenizer=self.tokenizer,  # vllm's structured outputs
+                blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
             )
             logger.info(why)
         return self.engine

@@ -20,6 +20,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import prompt_runs
+from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
 # Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
 # model's `generation_config` sets one (transformers' global defaults).
@@ -178,24 +179,30 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache):
-    """Forward each distinct prompt (a run of identical rows, `prompt_runs`) once into `cache`.
+def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache, images=None):
+    """Forward each distinct prompt (a run of identical rows, `prompt_runs`; with `images`, also the same image
+    inputs, `grpo_hf.vision`) once into `cache`.
 
-    Positions are numbered as `generate` numbers them (the first real token is 0, left padding gets 1).
-    Returns the last position's logits [U, V] and, for each of the N rows, the index of its prompt [N].
+    Positions are numbered as `generate` numbers them (the first real token is 0, left padding gets 1); a model with
+    3-D positions (M-RoPE) numbers a batch with images itself. Returns the last position's logits [U, V] and, for each
+    of the N rows, the index of its prompt [N].
     """
-    runs = prompt_runs(prompt_ids, prompt_mask)
+    runs = split_runs(prompt_runs(prompt_ids, prompt_mask), images)
     counts = torch.tensor([stop - start for start, stop in runs], device=prompt_ids.device)  # [U]
     rows = torch.arange(len(runs), device=prompt_ids.device).repeat_interleave(counts)  # [N]
     starts = [start for start, _ in runs]
     unique_ids, unique_mask = prompt_ids[starts], prompt_mask[starts]  # [U, P]
     position_ids = (unique_mask.long().cumsum(-1) - 1).masked_fill(unique_mask == 0, 1)  # [U, P]
+    vision = forward_kwargs(model, unique_ids, [images[i] for i in starts] if images is not None else None)
+    if vision and uses_mrope(model):
+        position_ids = None  # the model's own 3-D numbering, which also records each prompt's offset
     logits = model(
         input_ids=unique_ids,
         attention_mask=unique_mask,
         position_ids=position_ids,
         use_cache=True,
         logits_to_keep=1,
+        **vision,
         **{cache_keyword(model): cache},
     ).logits[:, -1]  # [U, V]
     return logits, rows

@@ -83,6 +83,7 @@ class VLLMEngine(RolloutEngine):
         settings = {**sampling_settings(model, self.generation_config), "stop_token_ids": self.eos_token_ids}
         if self.args.vllm_structured_outputs_regex is not None:
             settings["structured_outputs"] = {"regex": self.args.vllm_structured_outputs_regex}
+        _check_room(prompts, settings["max_tokens"], getattr(self.backend, "max_model_len", None))
         if settings["temperature"] == 0:  # greedy: one completion per prompt, repeated (vLLM refuses n > 1)
             rows = self.backend.generate(prompts, [1] * len(prompts), settings)
             rows = [row for row, n in zip(rows, counts, strict=True) for _ in range(n)]
@@ -97,6 +98,19 @@ class VLLMEngine(RolloutEngine):
 
             return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
         return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
+
+
+def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int | None) -> None:
+    """Every prompt has room for a whole completion in vLLM's context window: vLLM would otherwise end completions
+    early, without a word, and they would train as truncated."""
+    longest = max(len(prompt) for prompt in prompts)
+    if max_model_len is not None and longest + max_tokens > max_model_len:
+        raise ValueError(
+            f"vLLM's context window (vllm_max_model_length) is {max_model_len} tokens, but a prompt of "
+            f"{longest} tokens and max_completion_length={max_tokens} need {longest + max_tokens}: vLLM would cut the "
+            f"completions short. Raise vllm_max_model_length to at least {longest + max_tokens}, or set "
+            "max_prompt_length / lower max_completion_length."
+        )
 
 
 def sampling_settings(model, generation_config) -> dict[str, Any]:
@@ -188,6 +202,7 @@ class VLLMColocate:
             kwargs["skip_tokenizer_init"] = False
         logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
         self.llm = LLM(model=self.model_dir, **kwargs)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len  # the context window vLLM chose
 
     def close(self) -> None:
         """Shut vLLM down now, while the process groups it joined exist (at exit they may be gone)."""

@@ -32,14 +32,50 @@ class FixedEngine(RolloutEngine):
     """Deterministic completions of varying lengths (some truncated), whatever the model: runs compare exactly."""
 
     def sample(self, model, prompt_ids, prompt_mask):
-        B = prompt_ids.size(0)
-        rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
-        completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
-        eos_at = 1 + rows % T  # [B] varying lengths; rows with eos_at == T are truncated
-        for i, k in enumerate(eos_at.tolist()):
-            if k < T:
-                completion_ids[i, k] = self.eos_token_ids[0]
-        return completion_ids.to(prompt_ids.device)
+        return fixed_completions(prompt_ids, T, self.eos_token_ids[0])
+
+
+def fixed_completions(prompt_ids, T: int, eos_token_id: int):
+    """[B, T] completions that depend only on each row's global index: lengths vary, some are truncated."""
+    B = prompt_ids.size(0)
+    rows = torch.arange(B) + PartialState().process_index * B  # [B] global row index
+    completion_ids = (rows.unsqueeze(1) * 7 + torch.arange(T) * 3) % 200 + 10  # [B, T] ordinary byte tokens
+    eos_at = 1 + rows % T  # [B] varying lengths; rows with eos_at == T are truncated
+    for i, k in enumerate(eos_at.tolist()):
+        if k < T:
+            completion_ids[i, k] = eos_token_id
+    return completion_ids.to(prompt_ids.device)
+
+
+def step_settings(out_path: str, G: int, T: int) -> dict:
+    """The settings every layout of these one-step runs shares (SGD, one step, no shuffling, CPU)."""
+    return dict(
+        output_dir=str(Path(out_path).parent / "run"),
+        num_generations=G,
+        max_completion_length=T,
+        max_steps=1,
+        optim="sgd",
+        beta=0.04,
+        shuffle_dataset=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def save_step(trainer, out_path: str, **extra) -> None:
+    """Write the step's advantages (all processes'), loss and parameters to `out_path`, then leave together (a rank
+    that exits while gloo still has the other connected can abort at shutdown)."""
+    advantages = torch.cat([part.advantages for part in trainer._buffer])
+    all_advantages = trainer.accelerator.gather(advantages)
+    if trainer.accelerator.is_main_process:
+        loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        torch.save({"advantages": all_advantages, "loss": loss, "params": params, **extra}, out_path)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTrainer:
@@ -54,22 +90,7 @@ def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTraine
     def reward(completion_ids, **kwargs):
         return [float(sum(ids) % 11) for ids in completion_ids]
 
-    common = dict(
-        output_dir=str(Path(out_path).parent / "run"),
-        num_generations=G,
-        max_completion_length=T,
-        max_steps=1,
-        optim="sgd",
-        beta=0.04,
-        shuffle_dataset=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        rollout_engine="fixed",
-    )
-    args = GRPOConfig(**{**common, **settings})
+    args = GRPOConfig(**{**step_settings(out_path, G, T), "rollout_engine": "fixed", **settings})
     return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
 
 
@@ -88,16 +109,7 @@ def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: b
         loss_type=loss_type,
     )
     trainer.train()
-    advantages = torch.cat([part.advantages for part in trainer._buffer])
-    all_advantages = trainer.accelerator.gather(advantages)
-    if trainer.accelerator.is_main_process:
-        loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        fast_path = trainer.logps.blocker(trainer.model_wrapped) is None
-        torch.save({"advantages": all_advantages, "loss": loss, "params": params, "fast_path": fast_path}, out_path)
-    # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    save_step(trainer, out_path, fast_path=trainer.logps.blocker(trainer.model_wrapped) is None)
 
 
 if __name__ == "__main__":
