@@ -83,7 +83,7 @@ class SyncReference(TrainerCallback):
     alpha x policy + (1 - alpha) x reference (`mix_parameters_`), parameter by parameter, as TRL does it."""
 
     def __init__(self, policy: Callable[[], nn.Module], reference: nn.Module | None, accelerator, alpha: float):
-        if reference is None:  # LoRA: the reference is the base model with the adapters off
+        if reference is None:  # LoRA: the reference is the policy (`peft_utils.reference_adapter`)
             raise NotImplementedError(
                 "sync_ref_model=True with a PEFT model: the reference is the policy with its adapters disabled, not "
                 "a separate model, so there is nothing to synchronize (TRL does not support it either). Use "

@@ -1,15 +1,21 @@
-"""The completions table of `log_completions`: rows per rollout, appended to `completions.jsonl` and printed."""
+"""The completions table of `log_completions`: rows per rollout, written at each log as TRL writes them
+(`completions/completions_<step>.parquet`), appended to `completions.jsonl`, printed, sent to wandb / trackio as a
+table (one row per prompt with `log_unique_prompts`), and pushed to a Hub dataset (`log_completions_hub_repo`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from grpo_hf.rollout.prompts import is_conversational
+
+logger = logging.getLogger(__name__)
 
 
 def completion_rows(
@@ -88,3 +94,73 @@ def save_images(images: list, directory: str, stem: str) -> list[str]:
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class CompletionLog:
+    """Where `log_completions` rows go at each log, on the main process (`write`). The table's columns are TRL's:
+    step, prompt, completion, one per reward function, the columns reward functions logged, advantage; the prompt
+    is its text (a chat prompt's last message) and the completion its text."""
+
+    def __init__(self, args):
+        self.args = args
+        self.folder = os.path.join(args.output_dir, "completions")
+        self.hub_repo = args.log_completions_hub_repo
+        self.api = None  # a `huggingface_hub.HfApi`, made when the first file is pushed
+
+    def write(self, rows: list[dict[str, Any]], step: int, mode: str = "train", main: bool = True) -> None:
+        """`rows` of the latest rollout (training) or of the evaluation (mode "eval", files `eval_completions_*`);
+        only on the main process (`main`)."""
+        if not main:
+            return
+        write_completions(rows, self.args.output_dir, step, self.args.num_completions_to_print)
+        table = completions_table(rows)
+        os.makedirs(self.folder, exist_ok=True)
+        name = f"{'eval_' if mode == 'eval' else ''}completions_{step:05d}.parquet"
+        table.to_parquet(os.path.join(self.folder, name))
+        self._report(table.drop_duplicates("prompt") if self.args.log_unique_prompts else table, mode)
+        if self.hub_repo is not None:
+            self._push(name)
+
+    def _report(self, table, mode: str) -> None:
+        """The table to the experiment trackers among `report_to` that take one (wandb, trackio), if running."""
+        key = "eval/completions" if mode == "eval" else "completions"
+        for name in ("wandb", "trackio"):
+            backend = sys.modules.get(name)  # imported by its transformers callback when it reports
+            if name in (self.args.report_to or []) and backend is not None:
+                if name == "wandb" and backend.run is None:
+                    continue
+                backend.log({key: backend.Table(dataframe=table)})
+
+    def _push(self, name: str) -> None:
+        """Upload the file to the Hub dataset repository, creating it (private per `hub_private_repo`) at first use;
+        the upload runs in the background, as TRL's commit scheduler does."""
+        if self.api is None:
+            from huggingface_hub import HfApi
+
+            self.api = HfApi()
+            private = bool(self.args.hub_private_repo)
+            self.api.create_repo(self.hub_repo, repo_type="dataset", private=private, exist_ok=True)
+        self.api.upload_file(
+            path_or_fileobj=os.path.join(self.folder, name),
+            path_in_repo=f"completions/{name}",
+            repo_id=self.hub_repo,
+            repo_type="dataset",
+            run_as_future=True,
+        )
+
+
+def completions_table(rows: list[dict[str, Any]]):
+    """TRL's completions table (a pandas DataFrame): the rewards dict of each row spread into one column per reward
+    function, after step, prompt and completion, and before the logged columns and the advantage."""
+    import pandas as pd
+
+    flat = [
+        {
+            **{k: row[k] for k in ("step", "prompt", "completion")},
+            **row["rewards"],
+            **{k: v for k, v in row.items() if k not in _FIXED_KEYS},
+            "advantage": row["advantage"],
+        }
+        for row in rows
+    ]
+    return pd.DataFrame(flat)

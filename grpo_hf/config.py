@@ -8,11 +8,13 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -373,6 +375,41 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         default=False,
         metadata={"help": "Alias of rollout_engine='generate' (kept for older configs)."},
     )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "The KV cache of the `generate` engines (`GenerationConfig.cache_implementation`, e.g. 'static', "
+            "'offloaded'). Set, it makes rollout_engine='auto' choose 'generate' (grpo_hf's engines keep their own "
+            "cache). None: the engines' own."
+        },
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample with transformers' continuous batching (`model.generate_batch`, paged attention): the "
+            "same as rollout_engine='continuous_batching'."
+        },
+    )
+    transformers_continuous_batching_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments of transformers' `ContinuousBatchingConfig` for the continuous_batching engine "
+            "(max_memory_percent defaults to 0.5, as in TRL, to leave memory for training)."
+        },
+    )
+    use_transformers_paged: bool = field(
+        default=False,
+        metadata={"help": "Deprecated alias of use_transformers_continuous_batching (TRL deprecates it too)."},
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3: gather the whole model once per rollout before sampling (fast, needs the "
+            "whole model's memory on each process). False: sample with the partitioned model through the "
+            "'generate' engine (whose processes decode in step), each layer gathered as it runs: slow, for models "
+            "that do not fit one device. vLLM's weight push gathers the weights either way."
+        },
+    )
     logprob_chunk_size: int | None = field(
         default=None,
         metadata={
@@ -420,12 +457,28 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "Print a table of prompt / completion / rewards / advantage every logging step and append the "
-            "rows to `output_dir/completions.jsonl`."
+            "help": "At every log, in training (the latest rollout) and evaluation: print a table of prompt / "
+            "completion / rewards / advantage, append the rows to `output_dir/completions.jsonl` and write TRL's "
+            "`output_dir/completions/completions_<step>.parquet` (`eval_completions_<step>.parquet`), and send the "
+            "table to wandb / trackio when they report."
         },
     )
     num_completions_to_print: int | None = field(
-        default=4, metadata={"help": "Rows printed per logging step when log_completions. `None`: all."}
+        default=None, metadata={"help": "Rows printed per logging step when log_completions. `None`: all (TRL)."}
+    )
+    log_unique_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "With log_completions: the completions table sent to wandb / trackio keeps one row per distinct "
+            "prompt (the files keep every row)."
+        },
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "With log_completions: a Hugging Face Hub dataset repository (`user/name`, created if missing, "
+            "private per hub_private_repo) that the `completions/*.parquet` files are pushed to at every log."
+        },
     )
     log_multimodal: bool = field(
         default=True,
@@ -447,6 +500,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         self._check_sampling()
         self._check_loss()
         self._check_rollout_options()
+        self._check_liger()
         self._derive_generation_batch()
 
     def _check_choices(self) -> None:
@@ -521,13 +575,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
-        if self.use_model_generate:
-            if self.rollout_engine not in ("auto", "generate"):
-                raise ValueError(
-                    f"use_model_generate=True asks for rollout_engine='generate' but rollout_engine="
-                    f"{self.rollout_engine!r} is set too. Keep only rollout_engine."
-                )
-            self.rollout_engine = "generate"
+        self._resolve_engine_aliases()
         self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
         self.vllm_kwargs = as_dict(self.vllm_kwargs, "vllm_kwargs")  # JSON text (the command line) read here, once
         from grpo_hf.rollout.engine import ENGINES  # the engine registry (rollout imports nothing of the config)
@@ -542,6 +590,57 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 "auto_find_batch_size=True would shrink the batch below whole groups of num_generations. Set it to "
                 "False and lower per_device_train_batch_size instead."
             )
+
+    def _check_liger(self) -> None:
+        """`use_liger_kernel` as in TRL: Liger's layer kernels (RMSNorm, SwiGLU, RoPE, ...) only. Its fused linear
+        cross-entropy, part of transformers' default patching, replaces the model's forward, which would compute a
+        loss GRPO does not use and skip the LM head grpo_hf runs only at completion positions: refused."""
+        if not self.use_liger_kernel:
+            return
+        settings = as_dict(self.liger_kernel_config, "liger_kernel_config")
+        if settings.get("fused_linear_cross_entropy"):
+            raise ValueError(
+                'liger_kernel_config={"fused_linear_cross_entropy": True} replaces the model\'s forward with a '
+                "cross-entropy loss, which GRPO does not use (it needs the completion tokens' log-probs). Leave it "
+                "out: use_liger_kernel=True then applies Liger's layer kernels only, as TRL does."
+            )
+        self.liger_kernel_config = {**settings, "fused_linear_cross_entropy": False}
+        if importlib.util.find_spec("liger_kernel") is None or self.use_cpu:
+            raise ImportError(
+                "use_liger_kernel=True needs the liger-kernel package and a GPU (its kernels are Triton kernels): "
+                "`pip install liger-kernel` on a GPU machine, or set use_liger_kernel=False (the loss is the same "
+                "without it)."
+            )
+
+    def _resolve_engine_aliases(self) -> None:
+        """TRL's switches for an engine (`use_model_generate`, `use_transformers_continuous_batching` and its
+        deprecated alias `use_transformers_paged`) become `rollout_engine`; `cache_implementation` makes 'auto' pick
+        'generate'. The continuous-batching settings are read once, here."""
+        if self.use_transformers_paged:
+            warnings.warn(
+                "use_transformers_paged is deprecated (as in TRL 1.16): use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.use_transformers_continuous_batching = True
+        self.transformers_continuous_batching_config = as_dict(
+            self.transformers_continuous_batching_config, "transformers_continuous_batching_config"
+        )
+        aliases = [("use_model_generate", "generate"), ("use_transformers_continuous_batching", "continuous_batching")]
+        wanted = [(flag, engine) for flag, engine in aliases if getattr(self, flag)]
+        if len(wanted) > 1:
+            raise ValueError(
+                f"{' and '.join(f'{flag}=True' for flag, _ in wanted)} ask for different rollout engines: keep one."
+            )
+        for flag, engine in wanted:
+            if self.rollout_engine not in ("auto", engine):
+                raise ValueError(
+                    f"{flag}=True asks for rollout_engine={engine!r} but rollout_engine={self.rollout_engine!r} is "
+                    "set too. Keep only rollout_engine."
+                )
+            self.rollout_engine = engine
+        if self.cache_implementation is not None and self.rollout_engine == "auto":
+            self.rollout_engine = "generate"  # the engine that has a `cache_implementation`
 
     def _derive_generation_batch(self) -> None:
         """The generation batch: one rollout serves `steps_per_generation` micro-batches, and holds whole groups."""
@@ -618,6 +717,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "pad_token_id": pad_token_id,
             "eos_token_id": eos_token_ids,
             "use_cache": True,
+            "cache_implementation": self.cache_implementation,
         }
         return GenerationConfig(**{**settings, **as_dict(self.generation_kwargs, "generation_kwargs")})
 
@@ -670,7 +770,13 @@ TRL_DEFAULTS: dict[str, Any] = {
     "logging_steps": 10,
     "gradient_checkpointing": True,
     "bf16": True,  # TRL: True unless fp16 is set
+    "logging_nan_inf_filter": True,  # TrainingArguments' default
 }
+
+# TRL 1.16's GRPOConfig fields and GRPOTrainer arguments that grpo_hf does not take (yet), with the reason: the
+# one table of differences besides the defaults above (docs/porting.md shows both; tests/test_trl_dropin.py reads
+# the installed TRL and fails on any other difference).
+TRL_DIFFERENCES: dict[str, str] = {}
 
 # GRPOConfig fields that make `core.EntropyControl` (the entropy bonus's coefficient), with the same names.
 _ENTROPY_CONTROL = (

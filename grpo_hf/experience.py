@@ -35,6 +35,7 @@ from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
 from grpo_hf.metrics import Metrics, check_finite_rewards, reward_metrics
 from grpo_hf.parallel import stop_together, sum_over_processes
+from grpo_hf.peft_utils import reference_adapter
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_conversational, split_into_micro_batches
@@ -65,7 +66,7 @@ class Models:
     """The models a rollout uses, as functions: Trainer re-wraps the policy when training starts (DDP, FSDP)."""
 
     policy: Callable[[], nn.Module]  # the policy as Trainer holds it (`trainer.model`)
-    reference: nn.Module | None  # the reference model; None under PEFT (the policy with adapters off) or beta = 0
+    reference: nn.Module | None  # the reference model; None under PEFT (`peft_utils.reference_adapter`) or beta = 0
 
 
 class ExperienceMaker:
@@ -103,7 +104,8 @@ class ExperienceMaker:
         )
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
-        self.completion_rows: list[dict[str, Any]] = []  # the last rollout's rows for `log_completions`
+        # `log_completions`: the last training rollout's rows, and the rows of the evaluation under way
+        self.completion_rows: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
         self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
 
@@ -141,6 +143,8 @@ class ExperienceMaker:
         if rollout.combined_rewards.numel() % G:
             return None
         self.set_advantages(rollout, G)
+        if self.args.log_completions:
+            self.completion_rows["eval"] += self._completion_rows(rollout)
         (batch,) = self.split(rollout, len(rollout))
         self.encode_images(rollout)
         batch.ref_logps = self.reference_logps(batch)
@@ -159,13 +163,14 @@ class ExperienceMaker:
                 self.num_image_encodings += encode_rows(self.models.policy(), rollout.image_inputs)
 
     def reference_logps(self, batch: Sequences) -> Tensor | None:
-        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with adapters off."""
+        """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with its frozen copy of
+        a given adapter, or with adapters off (`peft_utils.reference_adapter`)."""
         if self.args.beta == 0.0:
             return None
         if self.models.reference is not None:
             return self.logps.no_grad(self.models.reference, batch)
         policy = self.models.policy()
-        with self.accelerator.unwrap_model(policy).disable_adapter():
+        with reference_adapter(self.accelerator.unwrap_model(policy)):  # the given adapter, or the adapters off
             return self.logps.no_grad(policy, batch)
 
     def _set_token_counts(self, batches: list[MicroBatch]) -> None:
@@ -227,16 +232,15 @@ class ExperienceMaker:
         self.num_tokens += sum_over_processes(self.accelerator, tokens)
         self.metrics["train"]["num_tokens"].append(float(self.num_tokens))
         if self.args.log_completions:
-            rows = completion_rows(
-                self.state().global_step,
-                rollout.prompts,
-                rollout.texts,
-                self.rewards.names,
-                rollout.rewards,
-                rollout.advantages,
-                rollout.extra,
-            )
-            self.completion_rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+            self.completion_rows["train"] = self._completion_rows(rollout)
+
+    def _completion_rows(self, rollout: Rollout) -> list[dict[str, Any]]:
+        """The `log_completions` rows of `rollout`, of every process."""
+        names, step = self.rewards.names, self.state().global_step
+        rows = completion_rows(
+            step, rollout.prompts, rollout.texts, names, rollout.rewards, rollout.advantages, rollout.extra
+        )
+        return gather_object(rows) if self.accelerator.num_processes > 1 else rows
 
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
     def rollout_round(self, inputs: list[dict[str, Any]], G: int, metrics: dict[str, list[float]]) -> Rollout:

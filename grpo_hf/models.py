@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from grpo_hf.paths import check_local_path
-from grpo_hf.peft_utils import base_model, is_peft_model
+from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
 from grpo_hf.validation import check_processing_class
 from grpo_hf.vision import is_vision_model, tokenizer_of, vision_modules
 
@@ -236,14 +236,16 @@ def build_models(
     disable_dropout: bool = True,
     model_init_kwargs: dict | None = None,
     gradient_checkpointing: bool = False,
+    quantization_config=None,
 ):
     """The policy (PEFT-wrapped when `peft_config`), the reference model and the (left-padding) tokenizer.
 
     The reference model is built only `with_reference` (beta != 0), frozen, in eval mode; under LoRA there
-    is none: the reference is the policy with its adapters switched off, so no second copy is built.
+    is none: the reference is the policy with a new adapter switched off, or, for a given PeftModel, with a frozen
+    copy of its adapter (`peft_utils.add_reference_adapter`), so no second copy of the model is built.
     A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
     """
-    kwargs = {"dtype": "auto", **(model_init_kwargs or {})}
+    kwargs = with_quantization({"dtype": "auto", **(model_init_kwargs or {})}, quantization_config, model)
     model_id = model if isinstance(model, str) else None
     if isinstance(model, str):
         model = load_model(model, **kwargs)
@@ -271,13 +273,54 @@ def build_models(
         if disable_dropout:
             turn_off_dropout(ref_model)
 
+    if with_reference and is_peft_model(model):
+        add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL)
     if peft_config is not None:
         from peft import get_peft_model
 
         model = get_peft_model(model, language_model_only(model, peft_config))
         if gradient_checkpointing:
             model.enable_input_require_grads()
+        if is_quantized(model):
+            cast_adapters_for_qlora(model)
     return model, ref_model, processing_class
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the model under a PEFT wrapper) was loaded in 4 or 8 bits (bitsandbytes)."""
+    base = base_model(model)
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+def with_quantization(kwargs: dict[str, Any], quantization_config, model) -> dict[str, Any]:
+    """The `from_pretrained` keyword arguments with the trainer's `quantization_config` (QLoRA: a
+    `BitsAndBytesConfig`), as TRL adds it; ignored, with a warning, for a model that is already built."""
+    if quantization_config is None:
+        return kwargs
+    if not isinstance(model, str):
+        logger.warning("quantization_config is ignored: the model is already built (load it quantized yourself).")
+        return kwargs
+    if "quantization_config" in kwargs:
+        raise ValueError(
+            "quantization_config is set both as a trainer argument and in model_init_kwargs: set it in one place "
+            "(the trainer argument, as TRL recommends)."
+        )
+    if getattr(quantization_config, "quant_method", None) == "bitsandbytes":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ImportError(
+                "quantization_config is a BitsAndBytesConfig (QLoRA), which needs the bitsandbytes package: "
+                "`pip install bitsandbytes` (4- and 8-bit layers need a GPU, or bitsandbytes' CPU backend), or pass "
+                "quantization_config=None and train in full precision."
+            )
+    return {**kwargs, "quantization_config": quantization_config}
+
+
+def cast_adapters_for_qlora(model: torch.nn.Module) -> None:
+    """QLoRA (Dettmers et al., 2023, section 3): the trainable adapter weights of a quantized model in bfloat16, as
+    TRL casts them, except DoRA's magnitude vectors, whose small updates bf16 would round away."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
 
 
 def _load_processing_class(model: PreTrainedModel, model_id: str | None, trust_remote_code: bool):

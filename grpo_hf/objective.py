@@ -115,13 +115,8 @@ class Objective:
 
     def high_entropy_mask(self, entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:
         """bool [B, T]: the completion tokens whose entropy is in the top `quantile` of the completion tokens of this
-        micro-batch on every process."""
-        entropy = entropies.detach()
-        pool = entropy[mask.bool()]  # [n] this process's completion tokens
-        if self.accelerator.num_processes > 1:
-            pool = self.accelerator.gather(self.accelerator.pad_across_processes(pool, dim=0, pad_index=-1.0))
-            pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
-        return high_entropy_mask(entropy, mask, quantile, pool)
+        micro-batch on every process (`gathered_high_entropy_mask`)."""
+        return gathered_high_entropy_mask(self.accelerator, entropies, mask, quantile)
 
     def record_entropy(
         self, entropy: Tensor, mask: Tensor, policy_mask: Tensor | None, metrics: dict[str, list[float]]
@@ -140,3 +135,15 @@ class Objective:
                 control.step(accelerator.reduce(window, "sum") if accelerator.num_processes > 1 else window)
         if control.enabled and accelerator.sync_gradients:
             metrics["entropy_coef"].append(control.entropy_coef)
+
+
+def gathered_high_entropy_mask(accelerator, entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """`core.high_entropy_mask` over the completion tokens of every process: bool [B, T], the completion tokens of
+    `mask` [B, T] whose entropy is in the top `quantile` of the pool of all processes' completion tokens. Uses only
+    the accelerator's `pad_across_processes` and `gather` (both pass a tensor through on one process), as TRL's
+    `get_high_entropy_mask` does."""
+    entropy = entropies.detach()
+    pool = entropy[mask.bool()]  # [n] this process's completion tokens
+    pool = accelerator.gather(accelerator.pad_across_processes(pool, dim=0, pad_index=-1.0))
+    pool = pool[pool >= 0]  # entropies are >= 0: drop the padding
+    return high_entropy_mask(entropy, mask, quantile, pool)

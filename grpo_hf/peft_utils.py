@@ -7,9 +7,13 @@ importable without it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["base_model", "is_peft_model"]
+__all__ = ["REFERENCE_ADAPTER", "add_reference_adapter", "base_model", "is_peft_model", "reference_adapter"]
+
+REFERENCE_ADAPTER = "ref"  # TRL's name for the frozen copy of a given adapter
 
 
 def _peft_classes() -> tuple[type, ...]:
@@ -29,3 +33,34 @@ def is_peft_model(model: Any) -> bool:
 def base_model(model: Any) -> Any:
     """The transformers model under a PEFT wrapper (its LoRA layers live inside it), or `model` itself."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def add_reference_adapter(model: Any) -> None:
+    """Copy the active adapter of the PeftModel `model` into a second adapter, `REFERENCE_ADAPTER`, frozen: the
+    reference of a run that starts from a trained adapter is that adapter, not the base model (TRL does the same).
+    The active adapter stays the trained one."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    active = model.active_adapter
+    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[active])
+    set_peft_model_state_dict(model, get_peft_model_state_dict(model, adapter_name=active), REFERENCE_ADAPTER)
+    for name, param in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name:
+            param.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def reference_adapter(model: Any) -> Iterator[None]:
+    """The PeftModel `model` as the reference, for the duration: its `REFERENCE_ADAPTER` when it has one (a given
+    adapter, `add_reference_adapter`), else with its adapters off (a new adapter starts as the base model). The
+    trained adapter is active, and trainable, again afterwards."""
+    if REFERENCE_ADAPTER not in model.peft_config:
+        with model.disable_adapter():
+            yield
+        return
+    active = model.active_adapter
+    model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter(active)

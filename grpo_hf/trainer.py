@@ -30,7 +30,7 @@ from transformers.trainer_utils import set_seed
 from grpo_hf import checkpoint, streams, validation  # validation: the input checks, and when each runs
 from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfiniteUpdates, StopTogether, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
-from grpo_hf.completion_log import write_completions
+from grpo_hf.completion_log import CompletionLog
 from grpo_hf.config import GRPOConfig, as_dict, config_or_default
 from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Models, RewardSet
@@ -38,7 +38,7 @@ from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef, tokenizer_of
-from grpo_hf.objective import Objective
+from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.rewards.models import reward_processing_classes_of, reward_sources
@@ -64,7 +64,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         train_dataset, eval_dataset: `datasets.Dataset`s (or streams, `grpo_hf.streams`) with a `prompt` column,
             text or chat messages; every other column reaches the reward functions. eval_dataset may be a dict.
         processing_class, reward_processing_classes: the tokenizer or VLM processor (None: `model`'s), one per reward.
-        callbacks, optimizers: as for `transformers.Trainer`. peft_config: train adapters only (`peft`).
+        callbacks, optimizers: as for `transformers.Trainer`. peft_config, quantization_config: LoRA / QLoRA (TRL's).
         tools, environment_factory: functions the model may call in multi-turn episodes; a class (or a dict name ->
             class) of stateful environments, one per episode, whose methods are tools (docs/tools.md).
         rollout_func: TRL's `rollout_func(prompts, trainer) -> dict`, which replaces sampling (`rollout.custom`).
@@ -92,7 +92,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         environment_factory=None,
     ):
         args = config_or_default(args, model)
-        validation.check_not_yet_supported(quantization=quantization_config)
         args.log_defaults_differing_from_trl()
         validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
@@ -104,6 +103,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             disable_dropout=args.disable_dropout,
             model_init_kwargs=args.model_load_kwargs(),
             gradient_checkpointing=args.gradient_checkpointing,
+            quantization_config=quantization_config,  # QLoRA: loaded quantized, adapters bf16 (TRL)
         )
         validation.check_policy_model(model, processing_class, peft_config)
         self.agentic = ToolSetup.build(tools, environment_factory, processing_class)  # None: no tools, no environments
@@ -153,6 +153,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         self._metrics = Metrics()
+        self.completion_log = CompletionLog(args)  # log_completions: TRL's files, the table, trackers, the Hub
         self.guard = NonfiniteGuard(self.accelerator, args.on_nonfinite, self.reward_func_names, self.reward_weights)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self.logps = LogprobPath(
@@ -200,15 +201,15 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         )
 
     def _place_models(self, ref_model):
-        """Reward models to the device; the reference model prepared like the policy (`parallel.prepare_reference`)
-        and returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
+        """Reward models and the reference model prepared like the policy (`parallel.prepare_reference`); the
+        reference returned, or None. With `cast_lm_head_to_fp32`, both LM heads are made fp32 first."""
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, ref_model):
                 if model is not None:
                     cast_lm_head_to_fp32(model)
-        for func in self.reward_funcs:
+        for func in self.reward_funcs:  # placed as the reference is: partitioned under DeepSpeed / FSDP (TRL)
             if hasattr(func, "model") and isinstance(func.model, PreTrainedModel):
-                func.model.to(self.accelerator.device)
+                func.model = prepare_reference(func.model, self.accelerator)
         return None if ref_model is None else prepare_reference(ref_model, self.accelerator)
 
     @property
@@ -368,8 +369,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's method: bool [B, T], the completion tokens whose entropy is at least the `threshold` quantile of the
-        completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile)."""
-        return self.objective.high_entropy_mask(entropies, mask, 1.0 - threshold)
+        completion tokens of this micro-batch on every process (TRL passes 1 - top_entropy_quantile). As TRL's, it
+        reads only its arguments and `self.accelerator`."""
+        return gathered_high_entropy_mask(self.accelerator, entropies, mask, 1.0 - threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
@@ -413,12 +415,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         tr_loss = getattr(self, "_tr_loss", None)  # Trainer zeroes it by subtraction, which leaves a NaN as NaN
         if mode == "train" and tr_loss is not None and not bool(torch.isfinite(tr_loss)):
             tr_loss.zero_()  # so a skipped step's NaN is logged once, not at every later step
-        if mode == "train" and self.args.log_completions and self.experience.completion_rows:
-            rows, self.experience.completion_rows = self.experience.completion_rows, []
-            if self.accelerator.is_main_process:
-                write_completions(
-                    rows, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
-                )
+        if self.args.log_completions and (rows := self.experience.completion_rows[mode]):
+            self.experience.completion_rows[mode] = []  # the main process writes them: files, table, trackers, Hub
+            self.completion_log.write(rows, self.state.global_step, mode, main=self.accelerator.is_main_process)
         super().log(logs, start_time)
 
     # ---- checkpoints and resume: `checkpoint.AtomicCheckpoints`, with this run state ---------------------------

@@ -500,10 +500,3 @@ def check_reward_funcs(funcs: Sequence, names: Sequence[str], columns_of: Mappin
                     f"({columns}; remove_unused_columns=True passes none). Add the column, or give {missing[0]!r} a "
                     "default."
                 )
-
-
-def check_not_yet_supported(**arguments) -> None:
-    """TRL 1.16's trainer arguments that grpo_hf accepts in TRL's order but does not honour yet: refuse them."""
-    given = [name for name, value in arguments.items() if value]
-    if given:
-        raise NotImplementedError(f"GRPOTrainer does not support {given} yet.")

@@ -73,6 +73,21 @@ class VLLMArguments:
             "(generation, weight push). Past it the run stops with a ConnectionError that says what to check."
         },
     )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "TRL's port for the NCCL weight-transfer group of its `trl vllm-serve` (CUDA only). Accepted and "
+            "unused: grpo_hf's server mode pushes the weights as files, to `trl vllm-serve` as to `python -m "
+            "grpo_hf.vllm_serve`."
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM only (colocate and server): constrain every completion to match this regular expression "
+            "(vLLM's structured outputs). None: unconstrained."
+        },
+    )
     vllm_server_weights_dir: str | None = field(
         default=None,
         metadata={
@@ -199,13 +214,13 @@ class VLLMArguments:
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio, but both "
                 "bounds are None. Set vllm_importance_sampling_clip_max (TRL's default: 3.0) or clip_min."
             )
-        if correcting and self.loss_type == "vespo":
-            raise ValueError(
-                "loss_type='vespo' with use_vllm=True and vllm_importance_sampling_correction=True: grpo_hf does not "
-                "fold the vLLM correction into VESPO's sequence weight. Set vllm_importance_sampling_correction=False "
-                "or use another loss_type."
-            )
         token_mode = self.vllm_importance_sampling_mode.startswith("token")
+        if correcting and self.loss_type == "vespo" and not token_mode:
+            raise ValueError(
+                "loss_type='vespo' folds vLLM's importance-sampling correction into its sequence weight token by "
+                f"token (as TRL), so vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} does not "
+                "apply: use 'token_truncate' or 'token_mask', or vllm_importance_sampling_correction=False."
+            )
         if correcting and token_mode and self.importance_sampling_level == "sequence_sum":
             raise ValueError(
                 "importance_sampling_level='sequence_sum' has one term per completion, so a per-token vLLM correction "

@@ -245,3 +245,52 @@ def test_split_into_micro_batches_pads_each_one_once_to_the_multiple():
         assert torch.equal(part.ref_logps[:, :width], batch.ref_logps[rows, :width])
         assert torch.equal(part.advantages, batch.advantages[rows])
     assert first.prompt_ids.tolist() == [[0, 0, 5, 6], [0, 0, 5, 6]] and second.prompt_mask.tolist()[0] == [0, 0, 0, 1]
+
+
+def test_continuous_batching_engine_decodes_what_generate_decodes(tokenizer):
+    """transformers' continuous batching (`generate_batch`): greedy, each row's tokens are `model.generate`'s, in the
+    rows' order, padded after EOS; the engine's config takes TRL's max_memory_percent unless one is given."""
+    model = build_tiny_model(tokenizer).eval()
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["Hi", "A longer prompt here", "x", "Hello there"])
+    config = _config(tokenizer, do_sample=False, top_k=None, eos_token_id=[tokenizer.eos_token_id])
+    with pytest.warns(FutureWarning, match="use_transformers_paged is deprecated"):
+        args = GRPOConfig(output_dir="unused", use_transformers_paged=True, use_cpu=True, report_to="none")
+    assert args.rollout_engine == "continuous_batching"
+    engine, _ = make_engine(args.rollout_engine, model, config, [tokenizer.eos_token_id], args=args)
+    assert engine.continuous_batching_config.max_memory_percent == 0.5  # TRL's default, not transformers' 0.9
+    # A paged cache of a fixed size: sized from the free memory, it would take half of this machine's.
+    custom = GRPOConfig(
+        output_dir="unused",
+        use_cpu=True,
+        report_to="none",
+        rollout_engine="continuous_batching",
+        transformers_continuous_batching_config='{"num_blocks": 16, "max_batch_tokens": 256}',
+    )
+    engine, _ = make_engine(custom.rollout_engine, model, config, [tokenizer.eos_token_id], args=custom)
+    assert engine.continuous_batching_config.num_blocks == 16
+    ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
+    reference = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    reference = reference[:, prompt_ids.size(1) :]
+    assert ids.shape == (4, 6) and mask.sum() > 0
+    torch.testing.assert_close(ids * mask, reference * mask)
+
+
+def test_cache_implementation_reaches_generate_and_picks_it(tmp_path, tokenizer):
+    """TRL's cache_implementation: the KV cache of `model.generate`; with rollout_engine='auto' the generate engine,
+    whose static cache then decodes what the dynamic one does."""
+    args = GRPOConfig(output_dir=str(tmp_path), cache_implementation="static", use_cpu=True, report_to="none")
+    assert args.rollout_engine == "generate"
+    config = args.generation_config_for(tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    assert config.cache_implementation == "static"
+    assert (
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True).generation_config_for(0, [1]).cache_implementation is None
+    )
+    model = build_tiny_model(tokenizer)
+    calls, generate = [], model.generate
+    model.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    engine, _ = make_engine(args.rollout_engine, model, config, [tokenizer.eos_token_id])
+    prompt_ids, prompt_mask = _prompts(tokenizer)
+    engine.generate(model, prompt_ids, prompt_mask)
+    assert type(calls[0]["past_key_values"]).__name__ == "StaticCache"
+    with pytest.raises(ValueError, match="ask for different rollout engines"):
+        GRPOConfig(output_dir=str(tmp_path), use_model_generate=True, use_transformers_continuous_batching=True)

@@ -80,6 +80,16 @@ def test_deepspeed_zero_trains_the_model_ddp_trains(results, stage):
     assert torch.allclose(loaded, trained, rtol=0, atol=1e-6)
 
 
+@needs_deepspeed
+def test_zero3_samples_without_gathering_the_model_when_asked(results):
+    """ds3_gather_for_generation=False: every rollout samples with the partitioned model (`model.generate`, whose
+    processes decode in step) and trains what DDP trains with the same engine."""
+    run, ddp = results["zero3_no_gather"], results["cases"]["beta0"]["ddp"]
+    assert run["engine"] == "generate" and run["partitioned_while_sampling"] == [True] * STEPS
+    assert run["reward"] == ddp["reward"]
+    assert torch.allclose(torch.tensor(run["loss"]), torch.tensor(ddp["loss"]), rtol=0, atol=1e-6)
+
+
 def test_lora_adapters_agree_across_processes(results):
     for layout in ("ddp", "fsdp"):
         adapters = results["cases"]["lora"][layout]["adapters"]  # [processes, n] before DDP's broadcast

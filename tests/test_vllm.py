@@ -250,3 +250,27 @@ def test_close_shuts_vllm_down(trained):
     assert engine.backend is None and engine.stale
     assert not client._finalizer.alive  # shut down: nothing left to run at exit
     engine.close()  # idempotent
+
+
+def test_structured_outputs_regex_constrains_every_completion(tmp_path, tokenizer):
+    """vllm_structured_outputs_regex (TRL's): every sampled completion, up to its EOS, matches the regex, though the
+    random model left to itself writes arbitrary bytes."""
+    import re
+
+    from grpo_hf.rollout import make_engine
+
+    regex = "[0-9]{2,4}"
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_vllm=True, use_cpu=True, report_to="none", vllm_structured_outputs_regex=regex
+    )
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).eval()
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
+    engine, _ = make_engine("vllm", model, config, [tokenizer.eos_token_id], args=args, tokenizer=tokenizer)
+    try:
+        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, PROMPTS * 4)
+        ids, mask, _ = engine.generate(model, prompt_ids, prompt_mask)
+    finally:
+        engine.close()
+    texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
+    assert len(texts) == 16 and all(re.fullmatch(regex, text) for text in texts), texts
+    assert len(set(texts)) > 1  # sampled, not one forced string

@@ -60,7 +60,7 @@ def test_the_deprecated_cap_sets_clip_max(tmp_path):
             {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
             "truncates the ratio, but both bounds are None",
         ),
-        ({"loss_type": "vespo"}, "loss_type='vespo' with use_vllm=True"),
+        ({"loss_type": "vespo"}, "loss_type='vespo' folds vLLM's importance-sampling correction"),
         (
             {"importance_sampling_level": "sequence_sum", "vllm_importance_sampling_mode": "token_mask"},
             "a per-token vLLM correction",

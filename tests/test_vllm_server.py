@@ -15,7 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import build_tiny_model
+from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig
 from grpo_hf.rollout.vllm_server import VLLMServer
@@ -110,15 +112,17 @@ def test_no_server_fails_within_the_timeout_and_says_what_to_check(tmp_path):
 
 
 class _Fake(http.server.BaseHTTPRequestHandler):
-    """Answers /health; /version with `version`; /server_info with 404 (no dev mode) or 200; sleeps on completions."""
+    """Answers /health; /version with `version`; /server_info with 404 (no dev mode) or 200, with a weight-transfer
+    engine as TRL's `trl vllm-serve` starts vLLM (`trl`); 404 for other routes; sleeps on completions."""
 
-    version, dev_mode = "0.32.0", True
+    version, dev_mode, trl = "0.32.0", True, False
 
     def do_GET(self):  # noqa: N802
-        if self.path == "/server_info" and not self.dev_mode:
-            return self._send(404, {"detail": "Not Found"})
-        body = {"/version": {"version": self.version}, "/v1/models": {"data": [{"id": "m"}]}}.get(self.path, {})
-        self._send(200, body)
+        routes = {"/health": {}, "/version": {"version": self.version}, "/v1/models": {"data": [{"id": "m"}]}}
+        if self.dev_mode:
+            routes["/server_info"] = {"weight_transfer_config": {"backend": "nccl"} if self.trl else None}
+        path = self.path.split("?")[0]
+        self._send(200, routes[path]) if path in routes else self._send(404, {"detail": "Not Found"})
 
     def do_POST(self):  # noqa: N802
         time.sleep(5)  # longer than the client's timeout
@@ -157,6 +161,22 @@ def test_an_old_vllm_and_a_server_without_dev_routes_are_refused(tmp_path, fake_
         VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
 
 
+def test_trls_own_server_is_used_with_weights_as_files(tmp_path, fake_server, caplog):
+    """TRL's `trl vllm-serve` is vLLM's server with an NCCL weight-transfer engine (on vllm_group_port): grpo_hf
+    connects to it as to its own and says that the weights go as files, not through that group."""
+    handler, url = fake_server
+    handler.trl = True
+    with caplog.at_level("INFO", logger="grpo_hf"):
+        client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=5, vllm_group_port=51299), None, [2])
+    assert client.model_id == "m"
+    assert "TRL's `trl vllm-serve`" in caplog.text and "vllm_group_port=51299" in caplog.text
+    handler.trl = False
+    caplog.clear()
+    with caplog.at_level("INFO", logger="grpo_hf"):
+        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+    assert "trl vllm-serve" not in caplog.text
+
+
 def test_a_request_that_times_out_says_so(tmp_path, fake_server):
     _, url = fake_server
     client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=1), None, [2])
@@ -165,3 +185,22 @@ def test_a_request_that_times_out_says_so(tmp_path, fake_server):
     with pytest.raises(ConnectionError, match="No answer from the vLLM server .*/v1/completions within 1 s"):
         client.generate([[5, 6]], [2], settings)
     assert time.monotonic() - start < 5
+
+
+def test_structured_outputs_regex_reaches_the_server(tmp_path, server, tokenizer):
+    """vllm_structured_outputs_regex in server mode: every completion the served model samples matches the regex."""
+    import re
+
+    from grpo_hf.rollout.vllm_engine import VLLMEngine
+
+    url, _ = server
+    regex = "[0-9]{2,4}"
+    args = _args(tmp_path, url, vllm_structured_outputs_regex=regex)
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
+    engine = VLLMEngine(config, [tokenizer.eos_token_id], args=args)
+    engine.stale = False  # the served weights are the model's own: nothing to push
+    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).eval()
+    prompt_ids = torch.tensor([tokenizer.encode("Hi there")] * 8)
+    ids, mask, _ = engine.generate(model, prompt_ids, torch.ones_like(prompt_ids))
+    texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
+    assert all(re.fullmatch(regex, text) for text in texts) and len(set(texts)) > 1, texts

@@ -81,8 +81,9 @@ Where TRL 1.16, and so this code, departs from the papers:
   is not implemented. `epsilon_high=None` falls back to `epsilon` (a cap of 0.2): `LossSettings.warnings()` says so.
   The loss value contains log pi_theta, so it is not comparable across loss types; its gradient is.
 - vespo: the clamps of the authors' code: each token's log-ratio to [-20, 20], log w_i to [log 1e-8, 20],
-  lambda >= 1e-4, a NaN/inf phi -> 0; phi is computed as exp(lambda + k log w - lambda w). TRL's extra factor
-  for vLLM sampling (its `importance_sampling_ratio`) is not folded into phi here: vespo refuses that correction.
+  lambda >= 1e-4, a NaN/inf phi -> 0; phi is computed as exp(lambda + k log w - lambda w). With vLLM's per-token
+  correction (token_truncate / token_mask, as TRL allows), the sampler's weight enters w instead of multiplying
+  the loss: log w_i += sum_t m clamp(log(pi_old / pi_vllm)[i,t], log 1e-8, 20), before the clamp of log w_i.
 - delta: TRL caps r for every advantage; with delta > 1 + eps_high this changes only A < 0 terms, as in
   INTELLECT-2. The clip-ratio metrics use r before the cap (TRL: after; equal when delta > 1 + eps_high).
 - off-policy mask: pi_old is `old_logps` (TRL prefers vLLM's sampling log-probs when it has them); M_i scales
@@ -205,13 +206,14 @@ def grpo_loss_with(
     ratio = _importance_ratio(log_ratio, mask, settings.importance_sampling_level)  # [N, T] or [N, 1]
 
     variant = LOSS_VARIANTS[settings.loss_type]
-    objective, values = variant.surrogate(ratio, advantages, logps, log_ratio, mask, settings)  # [N, T] or [N, 1]
+    folded = {"sampling_weight": sampling_weight} if variant.folds_sampling_weight else {}  # vespo: into phi
+    objective, values = variant.surrogate(ratio, advantages, logps, log_ratio, mask, settings, **folded)
     if settings.off_policy_mask_threshold is not None:  # the drift from the sampler where known, else from pi_old
         drift = log_ratio if off_policy_logps is None else logps - off_policy_logps.detach().to(logps.dtype)
         objective = objective * off_policy_mask(drift, advantages, mask, settings.off_policy_mask_threshold)
     if policy_mask is not None:  # e.g. top_entropy_quantile: the policy term of the high-entropy tokens only
         objective = objective * _token_mask(policy_mask, settings.per_sequence, objective.dtype)  # [N, T]
-    if sampling_weight is not None:  # the sampler was not exactly pi_old (vLLM): reweight its samples
+    if sampling_weight is not None and not folded:  # the sampler was not exactly pi_old (vLLM): reweight samples
         objective = objective * sampling_weight.detach().to(objective.dtype)
     if settings.beta != 0:
         kl = _kl_term(ref_logps.detach().to(logps.dtype) - logps, mask, ratio, settings)  # [N, T] or [N, 1]
@@ -342,16 +344,28 @@ def _sapo_surrogate(
 
 
 def _vespo_surrogate(
-    ratio: Tensor, advantages: Tensor, logps: Tensor, log_ratio: Tensor, mask: Tensor, settings: LossSettings
+    ratio: Tensor,
+    advantages: Tensor,
+    logps: Tensor,
+    log_ratio: Tensor,
+    mask: Tensor,
+    settings: LossSettings,
+    sampling_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """vespo: sg(phi(w_i)) A log pi_theta with VESPO's kernel phi(w) = w^k exp(lambda (1 - w)) (phi(1) = 1).
 
     w_i is the sequence ratio pi(o_i) / pi_old(o_i), not length-normalised, whatever `ratio` is; (k, lambda) are
     the _pos knobs where A >= 0, else the _neg ones. Computed as exp(lambda + k log w - lambda w) with TRL's
     clamps: each token's log-ratio to [-20, 20], log w_i to [log 1e-8, 20], lambda >= 1e-4; NaN/inf -> 0.
+    vLLM's per-token weight pi_old / pi_vllm `[N, T]` (`sampling_weight`) is folded into w (TRL): its log, clamped to
+    [log 1e-8, 20], summed over the completion into log w_i before that clamp.
     Metric: "vespo/phi_seq_mean", the mean of phi over the sequences that have completion tokens."""
     with torch.no_grad():
-        log_w = _masked_sum(log_ratio.clamp(-20.0, 20.0), mask).clamp(math.log(1e-8), 20.0)[:, None]  # [N, 1]
+        log_w = _masked_sum(log_ratio.clamp(-20.0, 20.0), mask)  # [N]
+        if sampling_weight is not None:
+            log_weight = torch.log(sampling_weight.to(log_w.dtype)).clamp(math.log(1e-8), 20.0)  # [N, T]
+            log_w = log_w + _masked_sum(log_weight, mask)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)[:, None]  # [N, 1]
         nonnegative = advantages >= 0  # [N, 1]
         k = torch.full_like(advantages, settings.vespo_k_neg).masked_fill(nonnegative, settings.vespo_k_pos)
         lam = torch.full_like(advantages, settings.vespo_lambda_neg).masked_fill(
@@ -367,6 +381,7 @@ def _vespo_surrogate(
 class LossVariant(NamedTuple):
     surrogate: Surrogate
     aggregation: str  # an `_aggregate` mode
+    folds_sampling_weight: bool = False  # the surrogate takes vLLM's weight itself (`sampling_weight=`)
 
 
 LOSS_VARIANTS: dict[str, LossVariant] = {
@@ -377,7 +392,7 @@ LOSS_VARIANTS: dict[str, LossVariant] = {
     "luspo": LossVariant(_clipped_surrogate, "luspo"),
     "cispo": LossVariant(_cispo_surrogate, "dapo"),
     "sapo": LossVariant(_sapo_surrogate, "grpo"),
-    "vespo": LossVariant(_vespo_surrogate, "dapo"),
+    "vespo": LossVariant(_vespo_surrogate, "dapo", folds_sampling_weight=True),
 }
 """loss_type -> (per-token surrogate, aggregation), as TRL 1.16 pairs them. An aggregation of "dapo" divides by
 the global token count `num_items_in_batch`: the trainer must undo its accumulation/process averaging for it.

@@ -170,10 +170,10 @@ def load_reward_model(
     return RewardModel(path, processing_class, **kwargs)
 
 
-def build_reward_funcs(reward_funcs, reward_processing_classes=None, trust_remote_code=False) -> list[Callable]:
+def build_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None) -> list[Callable]:
     """`GRPOTrainer`'s `reward_funcs` as a list of callables: functions as they are, registry names and
-    "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s (loaded with
-    `trust_remote_code`, their tokenizers too)."""
+    "module:function" through `get_reward_funcs`, models and model paths / Hub ids as `RewardModel`s (a path loaded
+    with `model_init_kwargs`, the policy's: dtype, trust_remote_code, ..., as TRL loads them)."""
     if reward_funcs is None or (isinstance(reward_funcs, list | tuple) and len(reward_funcs) == 0):
         raise ValueError(  # TRL's opening words, so that ported code that matches them still does
             "No reward source provided: reward_funcs is empty. Pass at least one reward function, registry name or "
@@ -196,7 +196,7 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None, trust_remot
         if isinstance(func, str) and not names_a_reward_model(func):
             funcs.extend(get_reward_funcs(func))
         elif isinstance(func, str | PreTrainedModel):
-            funcs.append(RewardModel(func, tokenizer, model_init_kwargs={"trust_remote_code": trust_remote_code}))
+            funcs.append(RewardModel(func, tokenizer, model_init_kwargs=model_init_kwargs))
         elif callable(func):
             funcs.append(func)
         else:
@@ -222,7 +222,7 @@ def reward_sources(reward_funcs, reward_processing_classes, args, owned: list[Ca
     funcs = (
         []
         if owned and none_given
-        else build_reward_funcs(reward_funcs, reward_processing_classes, args.trust_remote_code)
+        else build_reward_funcs(reward_funcs, reward_processing_classes, args.model_load_kwargs())
     )
     names = [reward_func_name(f) for f in funcs]
     weights = torch.cat([reward_weights(args.reward_weights, names), torch.ones(len(owned))])

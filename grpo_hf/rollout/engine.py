@@ -109,6 +109,7 @@ ENGINES: dict[str, str | type[RolloutEngine]] = {
     "generate_static": "grpo_hf.rollout.hf_generate:StaticGenerateEngine",
     "cuda_graph": "grpo_hf.rollout.cuda_graph:CUDAGraphEngine",
     "vllm": "grpo_hf.rollout.vllm_engine:VLLMEngine",
+    "continuous_batching": "grpo_hf.rollout.continuous_batching:ContinuousBatchingEngine",
 }
 _CHAINS = {"cuda": ["cuda_graph", "generate_static", "loop", "generate"], "other": ["loop", "generate"]}
 

@@ -238,7 +238,7 @@ class Sampler:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
         if self.engine is None:
             self.engine, why = make_engine(
-                self.args.rollout_engine,
+                self._engine_name(),
                 model,
                 self.generation.generation_config,
                 self.generation.eos_token_ids,
@@ -246,10 +246,25 @@ class Sampler:
                 autocast=self.accelerator.autocast,  # for engines that call a model autocast does not wrap
                 args=self.args,  # for the engines that take settings from it (vllm)
                 accelerator=self.accelerator,
+                tokenizer=self.tokenizer,  # vllm's structured outputs
                 blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
             )
             logger.info(why)
         return self.engine
+
+    def _engine_name(self) -> str:
+        """`rollout_engine`; under ZeRO-3 without `ds3_gather_for_generation`, `generate`, whose decoding keeps the
+        processes in step (every forward gathers each layer from all of them, so all must run as many)."""
+        name = self.args.rollout_engine
+        if self.args.ds3_gather_for_generation or not is_zero3(self.accelerator):
+            return name
+        if name not in ("auto", "generate"):
+            raise ValueError(
+                f"ds3_gather_for_generation=False samples with the ZeRO-3-sharded model, which only rollout_engine="
+                f"'generate' does (its processes decode in step); rollout_engine={name!r} was asked. Use 'auto' or "
+                "'generate', or set ds3_gather_for_generation=True."
+            )
+        return "generate"
 
     def weights_updated(self, model: nn.Module) -> None:
         """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
@@ -267,7 +282,8 @@ class Sampler:
         if is_zero3(self.accelerator):
             from trl.models.utils import unwrap_model_for_generation
 
-            with unwrap_model_for_generation(wrapped, self.accelerator) as unwrapped:
+            gather = self.args.ds3_gather_for_generation  # False: each layer gathered as it runs
+            with unwrap_model_for_generation(wrapped, self.accelerator, gather_deepspeed3_params=gather) as unwrapped:
                 yield unwrapped
         elif is_fsdp2(self.accelerator):
             with fsdp2_gathered(wrapped):

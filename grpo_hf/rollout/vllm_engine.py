@@ -15,6 +15,8 @@ Sampling follows the other engines: temperature, top_p, top_k, min_p and repetit
 resolves them (the config's, else the model's generation_config, else transformers' defaults), `max_new_tokens`,
 stopping at the model's EOS tokens; `do_sample=False` is greedy. vLLM's log-probs are its processed ones (after
 temperature, top-k/top-p and penalties: the distribution it sampled from, as TRL asks for).
+`vllm_structured_outputs_regex` constrains every completion to the regex (vLLM's structured outputs; colocate then
+starts vLLM with the tokenizer, which its grammar needs).
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ class VLLMEngine(RolloutEngine):
     """Samples with vLLM (colocated or on a server); pushes the weights only when they changed since the last push."""
 
     name = "vllm"
-    options = ("args", "accelerator")
+    options = ("args", "accelerator", "tokenizer")
 
-    def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None):
+    def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None, tokenizer=None):
         super().__init__(generation_config, eos_token_ids)
         if args is None:
             raise ValueError("The vllm engine takes its settings from the trainer's GRPOConfig: pass args=...")
-        self.args, self.accelerator = args, accelerator
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.backend = None  # made at the first rollout, when the model is known
         self.stale = True  # the weights changed since the last push (or were never pushed)
         self.sampling_logps: torch.Tensor | None = None  # [N, T] vLLM's log-probs of the last rollout's tokens
@@ -79,6 +81,8 @@ class VLLMEngine(RolloutEngine):
         prompts = [prompt_ids[start][prompt_mask[start].bool()].tolist() for start, _ in runs]
         counts = [stop - start for start, stop in runs]
         settings = {**sampling_settings(model, self.generation_config), "stop_token_ids": self.eos_token_ids}
+        if self.args.vllm_structured_outputs_regex is not None:
+            settings["structured_outputs"] = {"regex": self.args.vllm_structured_outputs_regex}
         _check_room(prompts, settings["max_tokens"], getattr(self.backend, "max_model_len", None))
         if settings["temperature"] == 0:  # greedy: one completion per prompt, repeated (vLLM refuses n > 1)
             rows = self.backend.generate(prompts, [1] * len(prompts), settings)
@@ -93,7 +97,7 @@ class VLLMEngine(RolloutEngine):
             from grpo_hf.rollout.vllm_server import VLLMServer
 
             return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
-        return VLLMColocate(model, self.args, self.accelerator)
+        return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
 
 
 def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int | None) -> None:
@@ -171,7 +175,7 @@ def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dic
 class VLLMColocate:
     """A `vllm.LLM` in this process, built from the model's config; weights pushed in memory."""
 
-    def __init__(self, model, args, accelerator):
+    def __init__(self, model, args, accelerator, tokenizer=None):
         import os
         import tempfile
 
@@ -191,6 +195,11 @@ class VLLMColocate:
         base.config.save_pretrained(self.model_dir)
         index = accelerator.process_index if accelerator is not None else 0
         kwargs = llm_kwargs(args, param.dtype, param.device, seed=args.seed + index)
+        if args.vllm_structured_outputs_regex is not None:  # the grammar is compiled over the tokenizer's vocabulary
+            if tokenizer is None:
+                raise ValueError("vllm_structured_outputs_regex needs the tokenizer: pass tokenizer= to the engine.")
+            tokenizer.save_pretrained(self.model_dir)
+            kwargs["skip_tokenizer_init"] = False
         logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
         self.llm = LLM(model=self.model_dir, **kwargs)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len  # the context window vLLM chose
@@ -212,7 +221,11 @@ class VLLMColocate:
     def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
 
+        settings = dict(settings)
+        if "structured_outputs" in settings:
+            settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
         params = [SamplingParams(n=n, logprobs=0, detokenize=False, **settings) for n in counts]
         if self.sleeps and self.llm.llm_engine.is_sleeping():
             self.llm.wake_up()

@@ -89,12 +89,19 @@ class VLLMServer:
                 time.sleep(1.0)
         self.check_version(self.request("/version")["version"])
         try:
-            self.request("/server_info")
+            info = self.request("/server_info?config_format=json")
         except RuntimeError as error:
             raise RuntimeError(
                 f"The vLLM server at {self.url} has no development routes, which take the weights: start it with "
-                "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` does)."
+                "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` and `trl vllm-serve` do)."
             ) from error
+        if isinstance(info, dict) and info.get("weight_transfer_config"):  # TRL's `trl vllm-serve`
+            logger.info(
+                "The vLLM server has a weight-transfer engine (TRL's `trl vllm-serve`): grpo_hf pushes the weights "
+                "as files all the same (vllm_server_weights_dir), not through its NCCL group on vllm_group_port=%d, "
+                "which needs CUDA on both sides.",
+                self.args.vllm_group_port,
+            )
         return self.request("/v1/models")["data"][0]["id"]
 
     def check_version(self, version: str) -> None:

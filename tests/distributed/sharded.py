@@ -239,6 +239,24 @@ def resume_from_sharded_checkpoint(run_dir: Path) -> dict[str, list[float]]:
     return history(trainer)
 
 
+def zero3_without_gathering(out_dir: Path) -> dict:
+    """ZeRO-3 with `ds3_gather_for_generation=False`, the "beta0" case (`model.generate`): whether the parameters
+    were still partitioned while each rollout sampled, and the run's history."""
+    LAYOUTS["zero3_no_gather"] = {**zero(3), "ds3_gather_for_generation": False}
+    trainer = build_trainer(out_dir / "zero3-no-gather", **CASES["beta0"], **LAYOUTS["zero3_no_gather"])
+    partitioned, original = [], trainer.experience.sampler.model_for_generation
+
+    @contextmanager
+    def recording():
+        with original() as model:
+            partitioned.append(all(is_sharded(p) for p in model.parameters()))
+            yield model
+
+    trainer.experience.sampler.model_for_generation = recording
+    trainer.train()
+    return {**history(trainer), "partitioned_while_sampling": partitioned, "engine": trainer.rollout.name}
+
+
 def gathers_per_rollout(out_dir: Path, lengths=(4, 16)) -> dict[int, list[int]]:
     """FSDP2: the all-gathers of one rollout's generation at each `max_completion_length`."""
     found = {}
@@ -324,6 +342,7 @@ def main(out_path: str, killed_dir: Path) -> None:
             saved = saved_model_logits(run.pop("trainer"), out_dir / f"final-zero{stage}", False)
             results[f"saved_zero{stage}"] = saved
             results["cases"]["beta"][f"zero{stage}"] = run
+        results["zero3_no_gather"] = zero3_without_gathering(out_dir)
     if torch.distributed.get_rank() == 0:
         torch.save(copy.deepcopy(results), out_path)
         print(summary(results), flush=True)
