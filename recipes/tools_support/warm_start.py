@@ -73,6 +73,8 @@ def warm_start(
         **{checkpointing: False},
         **settings,
     )
+    use_cache = model.config.use_cache
     trainer = SFTTrainer(model=model, args=config, train_dataset=traces, processing_class=tokenizer)
     trainer.train()
+    model.config.use_cache = use_cache  # SFTTrainer turns the KV cache off for training; generation needs it
     return trainer.state.log_history
