@@ -1,6 +1,6 @@
 """A model learns to use a calculator tool: warm start -> GRPO with tool episodes, against the same run without tools.
 
-Usage (offline, 2 CPU cores, about 10 minutes on an idle machine: `make demo-tools`):
+Usage (offline, 2 CPU cores: `make demo-tools`; the timings measured are in docs/tools.md):
 
     python recipes/tools.py --config recipes/tools_cpu.yaml
 
