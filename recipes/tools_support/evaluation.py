@@ -49,8 +49,8 @@ def evaluate(
         template_kwargs=template_kwargs,
     )
 
-    def generate(ids, mask, max_new_tokens):
-        completion = engine.generate(model, ids, mask, max_new_tokens=max_new_tokens)
+    def generate(ids, mask, max_new_tokens):  # the runner pads each turn's contexts on the CPU
+        completion = engine.generate(model, ids.to(model.device), mask.to(model.device), max_new_tokens=max_new_tokens)
         return completion.completion_ids, completion.completion_mask, None
 
     records = []
