@@ -133,6 +133,7 @@ def run_arm(arm: str, args: ScriptArguments, config: GRPOConfig, tokenizer, trai
         with_tool=bool(tools),
         template_kwargs=template_kwargs,
         output_dir=os.path.join(config.output_dir, f"warm_start_{arm}"),
+        max_completion_length=config.max_completion_length,
         learning_rate=args.warm_start_learning_rate,
         num_train_epochs=args.warm_start_epochs,
         per_device_train_batch_size=args.warm_start_batch_size,

@@ -89,7 +89,7 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def test_the_recipe_runs_both_arms_end_to_end(tiny_model_dir, tmp_path, capsys):
+def test_the_recipe_runs_both_arms_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     out = tmp_path / "out"
     argv = [
         "--config", str(ROOT / "recipes" / "tools_cpu.yaml"),
@@ -113,6 +113,7 @@ def test_the_recipe_runs_both_arms_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert "tools/call_frequency" not in report["no_tools"]["grpo_log"][0]
     samples = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 3 * 2  # arms x stages x problems
+    assert "more than max_completion_length=16" in caplog.text  # a byte per token: the traces do not fit, it says so
     table = capsys.readouterr().out
     assert "| tools | GRPO |" in table and "| no_tools | base |" in table
 

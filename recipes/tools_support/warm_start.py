@@ -14,6 +14,7 @@ covers the model's turns only (`completion_mask`), not the prompt nor the tool r
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import datasets
@@ -24,6 +25,8 @@ from grpo_hf.rollout.prompts import tokenize_prompts
 from grpo_hf.rollout.tools import tool_reply_ids
 
 from tools_support.problems import multiply
+
+logger = logging.getLogger(__name__)
 
 ANSWER = "The answer is {}."
 
@@ -50,11 +53,29 @@ def trace_ids(tokenizer, row: dict[str, Any], with_tool: bool, template_kwargs: 
 
 
 def warm_start(
-    model, tokenizer, dataset: datasets.Dataset, *, with_tool: bool, template_kwargs: dict, output_dir: str, **settings
+    model,
+    tokenizer,
+    dataset: datasets.Dataset,
+    *,
+    with_tool: bool,
+    template_kwargs: dict,
+    output_dir: str,
+    max_completion_length: int | None = None,
+    **settings,
 ):
     """Train `model` in place on one trace per row of `dataset`; `settings` are SFTConfig fields (learning rate,
-    epochs, batch size). Returns the trainer's log history."""
+    epochs, batch size). Warns when a trace is longer than `max_completion_length` (the episodes' bound). Returns the
+    trainer's log history."""
     rows = [trace_ids(tokenizer, row, with_tool, template_kwargs) for row in dataset]
+    longest = max(len(ids) - mask.index(1) for ids, mask in rows)  # the episode after the prompt
+    if max_completion_length is not None and longest > max_completion_length:
+        logger.warning(
+            "A correct %s episode takes up to %d tokens, more than max_completion_length=%d: episodes will be cut "
+            "before their answer. Raise max_completion_length.",
+            "tool" if with_tool else "direct",
+            longest,
+            max_completion_length,
+        )
     traces = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]})
     checkpointing = (
         "activation_checkpointing"
