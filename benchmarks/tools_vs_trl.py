@@ -3,11 +3,12 @@
 Both trainers train the offline SmolLM2-135M-Instruct (real weights) with TRL's Qwen2.5 chat template on its
 tokenizer, the built-in arithmetic prompts, one tool (`lookup`, which sleeps 0.2 s), the same seed and every shared
 knob set explicitly (`_worker.common_config`: 2 prompts x G=8 = 16 completions per step). Generation is real; only the
-*reading* of a model turn is scripted, the same way in both trainers, so that the same rows call the tool: TRL's
-`trl.trainer.grpo_trainer.parse_response` and grpo_hf's `EpisodeRunner.parse` are replaced by `scripted_parse`, which
-reads the first turn of every even row that ended with its EOS as a call of `lookup` and every other turn as plain
-text. (grpo_hf runs the tools of a turn only when the turn ended with its EOS, so a truncated even row calls nothing
-in either trainer.) Each trainer logs `tools/call_frequency`, printed beside its time.
+*reading* of a model turn is scripted, the same way in both trainers, so that about half the rows call the tool:
+TRL's `trl.trainer.grpo_trainer.parse_response` and grpo_hf's `EpisodeRunner.parse` are replaced by `scripted_parse`,
+which reads every other first turn (in the order they are read) that ended with its EOS as a call of `lookup`, and
+every other turn as plain text. The prompts ask for one short sentence (the CPU demo's), so that first turns end: a
+turn cut at max_completion_length calls nothing in grpo_hf. Each trainer logs `tools/call_frequency`, printed beside
+its time.
 
 TRL runs the calls one after another (8 calls: 1.6 s per step); grpo_hf runs them at the same time and samples the
 next turns of the episodes whose tools have returned. Each trainer runs in a fresh process (this file with
@@ -38,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _worker: the shared 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the built-in arithmetic prompts
 
 TOOL_SECONDS = 0.2
+SYSTEM_PROMPT = (
+    "Answer the math question. Write one short sentence with the calculation, then the final line '#### <number>'."
+)
 MAX_COMPLETION_LENGTH = 96
 _FIRST_TURNS = itertools.count()  # first turns read so far, in row order: the row's parity
 
@@ -54,9 +58,8 @@ def brevity(completions, **_) -> list[float]:
 
 
 def scripted_parse(tokenizer, ids, prefix=None, tools=None) -> dict:
-    """Read a turn (`ids` after the context `prefix`) for both trainers alike: the first turn of an even row, ended by
-    the EOS, calls `lookup`; everything else is text. Both trainers read the first turns in row order, so counting them
-    gives the row's parity."""
+    """Read a turn (`ids` after the context `prefix`) for both trainers alike: every other first turn read, ended by
+    the EOS, calls `lookup`; everything else is text."""
     first_turn = "<tool_response>" not in tokenizer.decode(list(prefix or []))
     if first_turn:
         if next(_FIRST_TURNS) % 2 == 0 and len(ids) > 0 and ids[-1] == tokenizer.eos_token_id:
@@ -87,7 +90,11 @@ def build_trainer(impl: str, steps: int, seed: int, output_dir: str):
         from grpo_hf import GRPOConfig, GRPOTrainer
 
         config, trainer_class = GRPOConfig(**kwargs, **grpo_hf_only_config()), GRPOTrainer
-    dataset = to_conversational(make_arithmetic_dataset(64, seed=0), answer_format="####")
+    # The CPU demo's short-answer prompts (recipes/gsm8k_cpu.yaml): first turns that end with their EOS, so that the
+    # scripted reading can make half of them call the tool
+    dataset = to_conversational(
+        make_arithmetic_dataset(64, seed=0), answer_format="####", system_prompt=SYSTEM_PROMPT, num_shots=2
+    )
     trainer = trainer_class(
         model=offline_model_path(),
         reward_funcs=[brevity],
