@@ -291,11 +291,6 @@ class Sampler:
         else:
             yield self.accelerator.unwrap_model(wrapped)
 
-    def close(self) -> None:
-        """Release the engine (vLLM: its engine and process groups). Idempotent."""
-        if self.engine is not None:
-            self.engine.close()
-
 
 def _engine_logps(engine: RolloutEngine, completion_mask: Tensor) -> Tensor | None:
     """The engine's log-probs [B, T] of its last call's tokens (vLLM), 0 off `completion_mask`; None: it has none."""
