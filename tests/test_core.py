@@ -1,16 +1,16 @@
-"""grpo_hf.core against naive loops written straight from docs/design.md ("The maths"), hand-worked cases and memory
-bounds."""
+"""grpo_hf.core against the naive loops of tests/oracle.py (docs/design.md's "The maths"), hand-worked cases and
+memory bounds."""
 
 import itertools
 import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from oracle import F64, TIGHT, assert_same, make_batch, naive_advantages, run_both
 
 from grpo_hf.core import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -22,123 +22,6 @@ from grpo_hf.core import (
     grpo_loss,
     selective_log_softmax,
 )
-
-F64 = torch.float64
-TIGHT = dict(atol=1e-12, rtol=1e-12)  # fp64: the vectorised code and the loops differ only by summation order
-
-# ---------------------------------------------------------------------------------------------------------------
-# The reference: docs/design.md ("The maths") as per-sample, per-token Python loops over scalars
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def naive_grpo_loss(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    *,
-    loss_type,
-    epsilon,
-    epsilon_high,
-    beta,
-    importance_sampling_level,
-    max_completion_length,
-    num_items_in_batch,
-    sampling_weight=None,
-):
-    """Returns (loss, metrics). Only `logps` carries a graph: each logps[i, t] is its own scalar node.
-    `sampling_weight(i, t)`, when given, multiplies each policy term (not the KL)."""
-    N, T = logps.shape
-    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
-    lp = [[logps[i, t] for t in range(T)] for i in range(N)]
-    old = [[lp[i][t].detach() if old_logps is None else float(old_logps[i, t]) for t in range(T)] for i in range(N)]
-    ref = None if ref_logps is None else ref_logps.tolist()
-    A = advantages.tolist()
-    m = mask.tolist()
-    tokens = [[t for t in range(T) if m[i][t] == 1] for i in range(N)]
-    total_tokens = sum(len(ts) for ts in tokens)
-    zero = logps.new_zeros(())
-
-    def clip(x):
-        return min(max(x, 1 - eps_low), 1 + eps_high)
-
-    def surrogate(rho, a):
-        return min(rho * a, clip(rho) * a)
-
-    def k3(x):
-        return torch.exp(x) - x - 1
-
-    weight = sampling_weight or (lambda i, t: 1.0)
-
-    clipped_low = clipped_high = 0
-    kl_total = 0.0
-    if importance_sampling_level == "sequence_sum":
-        J = zero
-        for i in range(N):
-            s = torch.exp(sum((lp[i][t] - old[i][t] for t in tokens[i]), zero))
-            l_i = surrogate(s, A[i]) * weight(i, None)
-            if beta != 0:
-                d = sum((ref[i][t] - lp[i][t] for t in tokens[i]), zero)
-                kl_total += k3(d).item() / N
-                l_i = l_i - beta * k3(d)
-            if tokens[i]:  # a row without completion tokens contributes 0 (core.py's documented convention)
-                J = J + l_i
-            clipped_low += len(tokens[i]) * (s.item() < 1 - eps_low and A[i] < 0)
-            clipped_high += len(tokens[i]) * (s.item() > 1 + eps_high and A[i] > 0)
-        J = J / N
-    else:
-        per_token = {}  # (i, t) -> l[i, t] for completion tokens only
-        for i in range(N):
-            if importance_sampling_level == "sequence":
-                s = torch.exp(sum((lp[i][t] - old[i][t] for t in tokens[i]), zero) / max(len(tokens[i]), 1))
-            for t in tokens[i]:
-                rho = torch.exp(lp[i][t] - old[i][t]) if importance_sampling_level == "token" else s
-                l_it = surrogate(rho, A[i]) * weight(i, t)
-                if beta != 0:
-                    x = ref[i][t] - lp[i][t]
-                    kl_total += k3(x).item() / total_tokens
-                    l_it = l_it - beta * k3(x)
-                per_token[i, t] = l_it
-                clipped_low += rho.item() < 1 - eps_low and A[i] < 0
-                clipped_high += rho.item() > 1 + eps_high and A[i] > 0
-        total = sum(per_token.values(), zero)
-        if loss_type == "grpo":
-            J = sum((sum((per_token[i, t] for t in tokens[i]), zero) / max(len(tokens[i]), 1) for i in range(N)), zero)
-            J = J / N
-        elif loss_type == "bnpo":
-            J = total / max(total_tokens, 1)
-        elif loss_type == "dr_grpo":
-            J = total / (N * max_completion_length)
-        else:
-            J = total / (total_tokens if num_items_in_batch is None else num_items_in_batch)
-    metrics = {
-        "clip_ratio/low_mean": clipped_low / total_tokens,
-        "clip_ratio/high_mean": clipped_high / total_tokens,
-        "clip_ratio/region_mean": (clipped_low + clipped_high) / total_tokens,  # low needs A<0, high A>0: disjoint
-    }
-    if beta != 0:
-        metrics["kl"] = kl_total
-    return -J, metrics
-
-
-LENGTHS = (7, 5, 3, 0, 1, 6, 2)  # right-padded rows, one of them empty
-
-
-def make_batch(seed=0, lengths=LENGTHS, T=7, drift=0.4, dtype=F64):
-    """Random logps/old/ref/advantages with right-padded masks; `drift` off-policy noise makes ratios clip."""
-    g = torch.Generator().manual_seed(seed)
-    N = len(lengths)
-    logps = -3 * torch.rand(N, T, generator=g, dtype=dtype)  # [N, T]
-    old_logps = logps + drift * torch.randn(N, T, generator=g, dtype=dtype)  # [N, T]
-    ref_logps = logps + 0.3 * torch.randn(N, T, generator=g, dtype=dtype)  # [N, T]
-    advantages = torch.randn(N, generator=g, dtype=dtype)  # [N]
-    # rows 0 and 1 clip at every importance-sampling level: above with A > 0, below with A < 0
-    advantages[:2] = advantages[:2].abs() * torch.tensor([1.0, -1.0], dtype=dtype)
-    old_logps[:2] += torch.tensor([[-0.8], [0.8]], dtype=dtype)
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(dtype)  # [N, T]
-    return logps, old_logps, ref_logps, advantages, mask
-
 
 COMBOS = list(itertools.product(LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, (0.0, 0.04), (None, 0.28), (True, False)))
 
@@ -167,17 +50,9 @@ def test_grpo_loss_matches_naive_loop(loss_type, level, beta, epsilon_high, on_p
             grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kwargs)
         return
 
-    loss, metrics = grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kwargs)
-    (grad,) = torch.autograd.grad(loss, logps)
-    ref_loss, ref_metrics = naive_grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kwargs)
-    (ref_grad,) = torch.autograd.grad(ref_loss, logps)
-
-    torch.testing.assert_close(loss, ref_loss, **TIGHT)
-    torch.testing.assert_close(grad, ref_grad, **TIGHT)
-    assert grad.abs().sum() > 0
-    assert metrics.keys() == ref_metrics.keys()
-    for name, value in ref_metrics.items():
-        assert metrics[name] == pytest.approx(value, abs=1e-12), name
+    results = run_both(grpo_loss, (logps, old_logps, ref_logps, advantages, mask), **kwargs)
+    assert_same(results)
+    assert results[0][1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
@@ -378,28 +253,6 @@ def test_identical_rewards_give_exactly_zero(scale_rewards, dtype):
     assert (adv[21:] != 0).all()
 
 
-def loop_advantages(rewards, G, scale_rewards):
-    """docs/design.md ("The maths") advantages with `statistics` over the non-NaN rewards of each group."""
-    values = rewards.tolist()
-    valid = [v for v in values if not math.isnan(v)]
-    batch_std = statistics.stdev(valid) if len(valid) > 1 else 0.0
-    out = []
-    for g in range(0, len(values), G):
-        group = [v for v in values[g : g + G] if not math.isnan(v)]
-        mean = statistics.fmean(group) if group else 0.0
-        std = statistics.stdev(group) if len(group) > 1 else 0.0
-        for v in values[g : g + G]:
-            if math.isnan(v) or len(set(group)) < 2:
-                out.append(0.0)
-            elif scale_rewards == "group":
-                out.append((v - mean) / (std + 1e-4))
-            elif scale_rewards == "batch":
-                out.append((v - mean) / (batch_std + 1e-4))
-            else:
-                out.append(v - mean)
-    return torch.tensor(out, dtype=F64)
-
-
 @pytest.mark.parametrize("scale_rewards", SCALE_REWARDS)
 def test_advantages_match_loop_with_nan_rows(scale_rewards):
     g = torch.Generator().manual_seed(0)
@@ -407,7 +260,7 @@ def test_advantages_match_loop_with_nan_rows(scale_rewards):
     rewards[[1, 6, 7, 8, 11, 12, 13]] = float("nan")  # group 1: one NaN; group 3: one valid; group 4: two NaN
     rewards[16:20] = torch.tensor([float("nan")] * 4)  # group 5: no reward at all
     adv = group_advantages(rewards, num_generations=4, scale_rewards=scale_rewards)
-    torch.testing.assert_close(adv, loop_advantages(rewards, 4, scale_rewards), **TIGHT)
+    torch.testing.assert_close(adv, naive_advantages(rewards, 4, scale_rewards), **TIGHT)
     assert adv[[1, 6, 7, 8, 11, 12, 13, 16, 17, 18, 19]].eq(0).all()
     assert adv[[0, 2, 3, 4, 5]].ne(0).all()
 

@@ -1,8 +1,8 @@
-"""TRL 1.16's loss variants and objective terms in grpo_hf.core, against naive loops written from the formulas.
+"""TRL 1.16's loss variants and objective terms in grpo_hf.core, against the naive loops of tests/oracle.py.
 
 cispo, sapo, luspo, vespo, `delta`, `use_bias_correction_kl`, `off_policy_mask_threshold` (the module docstring of
-core.py has each formula and its source), `check_loss_settings`, and a frozen copy of the loss as it was before
-them, which the defaults must reproduce bit for bit.
+core/losses.py has each formula and its source), `check_loss_settings`, and the numbers of the loss as it was before
+them (`oracle.FROZEN_LOSS`), which the defaults must reproduce.
 """
 
 import inspect
@@ -12,198 +12,26 @@ import re
 
 import pytest
 import torch
+from oracle import (
+    AGGREGATION,
+    DELTA,
+    F64,
+    FROZEN_LOSS,
+    TERM_DEFAULTS,
+    THRESHOLD,
+    TIGHT,
+    assert_same,
+    gradient_digest,
+    make_batch,
+    naive_loss,
+    run_both,
+)
 
 from grpo_hf.core import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, LOSS_VARIANTS, check_loss_settings, grpo_loss
 
-F64 = torch.float64
-TIGHT = dict(atol=1e-12, rtol=1e-12)  # fp64: the vectorised code and the loops differ only by summation order
 NEW_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
 ALL_LOSS_TYPES = LOSS_TYPES + NEW_LOSS_TYPES
 SIGMOID_1, SIGMOID_2 = 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-2))
-
-# ---------------------------------------------------------------------------------------------------------------
-# The reference: each formula as a per-sample, per-token loop over scalars
-# ---------------------------------------------------------------------------------------------------------------
-
-AGGREGATION = {  # loss_type -> how sum_t m l becomes J (TRL 1.16's pairing)
-    "grpo": "sequence_mean",
-    "sapo": "sequence_mean",
-    "bnpo": "local_tokens",
-    "dr_grpo": "budget",
-    "dapo": "global_tokens",
-    "cispo": "global_tokens",
-    "vespo": "global_tokens",
-    "luspo": "sequence_sum",
-}
-
-
-def naive_loss(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    *,
-    loss_type="grpo",
-    epsilon=0.2,
-    epsilon_high=None,
-    beta=0.04,
-    importance_sampling_level="token",
-    max_completion_length=None,
-    num_items_in_batch=None,
-    delta=None,
-    use_bias_correction_kl=False,
-    off_policy_mask_threshold=None,
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0,
-    vespo_lambda_pos=3.0,
-    vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0,
-):
-    """Returns (loss, metrics). Only `logps` carries a graph: each logps[i, t] is its own scalar node."""
-    N, T = logps.shape
-    level = importance_sampling_level
-    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
-    lp = [[logps[i, t] for t in range(T)] for i in range(N)]
-    old = [[float(logps.detach()[i, t] if old_logps is None else old_logps[i, t]) for t in range(T)] for i in range(N)]
-    ref = None if ref_logps is None else ref_logps.tolist()
-    A = advantages.tolist()
-    tokens = [[t for t in range(T) if mask[i, t] == 1] for i in range(N)]
-    total_tokens = sum(len(ts) for ts in tokens)
-    zero = logps.new_zeros(())
-
-    def k3(x):
-        return torch.exp(x) - x - 1
-
-    def clip_family(r, a):  # min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)
-        capped = r if delta is None else min(r, delta)
-        return min(capped * a, min(max(r, 1 - eps_low), 1 + eps_high) * a)
-
-    def cispo(r, a, logp):  # sg(min(r, eps_high)) A log pi
-        return min(r.item(), eps_high) * a * logp
-
-    def sapo(r, a):  # sigmoid(tau (r - 1)) * 4 / tau * A
-        tau = sapo_temperature_pos if a > 0 else sapo_temperature_neg
-        return 1 / (1 + torch.exp(-tau * (r - 1))) * 4 / tau * a
-
-    def vespo_phi(i):  # w^k exp(lambda (1 - w)), w the clamped joint ratio of row i
-        log_w = sum(min(max(lp[i][t].item() - old[i][t], -20.0), 20.0) for t in tokens[i])
-        w = math.exp(min(max(log_w, math.log(1e-8)), 20.0))
-        k, lam = (vespo_k_pos, vespo_lambda_pos) if A[i] >= 0 else (vespo_k_neg, vespo_lambda_neg)
-        return w**k * math.exp(max(lam, 1e-4) * (1 - w))
-
-    def keep(i):  # the off-policy mask M_i
-        if off_policy_mask_threshold is None:
-            return 1.0
-        mean_log_ratio = sum(old[i][t] - lp[i][t].item() for t in tokens[i]) / max(len(tokens[i]), 1)
-        return 1.0 if A[i] >= 0 or mean_log_ratio <= off_policy_mask_threshold else 0.0
-
-    counts = dict.fromkeys(("low", "high", "cispo"), 0)
-    kl_total, phis = 0.0, []
-    rows = []  # rows[i]: sum_t m l[i, t] (sequence_sum: l_i)
-    for i in range(N):
-        a, ts = A[i], tokens[i]
-        log_ratio_sum = sum((lp[i][t] - old[i][t] for t in ts), zero)
-        s = {"sequence": torch.exp(log_ratio_sum / max(len(ts), 1)), "sequence_sum": torch.exp(log_ratio_sum)}
-        phi = vespo_phi(i)
-        if ts:
-            phis.append(phi)
-        row = zero
-        for t in ts if level != "sequence_sum" else [None]:
-            r = torch.exp(lp[i][t] - old[i][t]) if level == "token" else s[level]
-            if loss_type == "cispo":
-                l_it = cispo(r, a, lp[i][t])
-            elif loss_type == "sapo":
-                l_it = sapo(r, a)
-            elif loss_type == "vespo":
-                l_it = phi * a * lp[i][t]
-            else:
-                l_it = clip_family(r, a)
-            l_it = l_it * keep(i)
-            if beta != 0:
-                if level == "sequence_sum":
-                    kl = k3(sum((ref[i][u] - lp[i][u] for u in ts), zero))
-                else:
-                    kl = k3(ref[i][t] - lp[i][t])
-                kl = kl * r if use_bias_correction_kl else kl
-                kl_total += kl.item() * (1 / N if level == "sequence_sum" else 1 / total_tokens)
-                l_it = l_it - beta * kl
-            row = row + l_it
-            weight = len(ts) if level == "sequence_sum" else 1  # clip metrics count completion tokens
-            counts["low"] += weight * (r.item() < 1 - eps_low and a < 0)
-            counts["high"] += weight * (r.item() > 1 + eps_high and a > 0)
-            counts["cispo"] += weight * (r.item() > eps_high and a > 0)
-        rows.append(row if ts else zero)
-
-    if level == "sequence_sum":
-        J = sum(rows, zero) / N
-    else:
-        per_sequence_means = [row / max(len(ts), 1) for row, ts in zip(rows, tokens, strict=True)]
-        J = {
-            "sequence_mean": lambda: sum(per_sequence_means, zero) / N,
-            "local_tokens": lambda: sum(rows, zero) / max(total_tokens, 1),
-            "budget": lambda: sum(rows, zero) / (N * max_completion_length),
-            "global_tokens": lambda: sum(rows, zero) / (num_items_in_batch or total_tokens),
-            "sequence_sum": lambda: sum(rows, zero) / N,
-        }[AGGREGATION[loss_type]]()
-
-    metrics = {}
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        metrics["clip_ratio/low_mean"] = counts["low"] / total_tokens
-        metrics["clip_ratio/high_mean"] = counts["high"] / total_tokens
-        metrics["clip_ratio/region_mean"] = (counts["low"] + counts["high"]) / total_tokens
-    elif loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = counts["cispo"] / total_tokens
-    elif loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = sum(phis) / len(phis)
-    if beta != 0:
-        metrics["kl"] = kl_total
-    return -J, metrics
-
-
-LENGTHS = (7, 5, 3, 0, 1, 6, 2)  # right-padded rows, one of them empty
-THRESHOLD = 0.5  # off_policy_mask_threshold of the grid
-DELTA = 1.5  # > 1 + 0.28
-
-
-def make_batch(seed=0, lengths=LENGTHS, T=7, drift=0.3, dtype=F64):
-    """Random logps/old/ref/advantages with right-padded masks, and rows built to exercise every branch:
-    row 0: A > 0 and ratios > 1 (clip high, cispo cap); row 1: A < 0 and ratios < 1 (clip low; its mean
-    log(pi_old / pi) ~ 0.8 > THRESHOLD, so the off-policy mask drops it); row 2: A < 0 and ratios > 1 (the delta cap).
-    """
-    g = torch.Generator().manual_seed(seed)
-    N = len(lengths)
-    logps = -3 * torch.rand(N, T, generator=g, dtype=dtype)  # [N, T]
-    old_logps = logps + drift * torch.randn(N, T, generator=g, dtype=dtype)  # [N, T]
-    ref_logps = logps + 0.3 * torch.randn(N, T, generator=g, dtype=dtype)  # [N, T]
-    advantages = torch.randn(N, generator=g, dtype=dtype)  # [N]
-    advantages[:3] = advantages[:3].abs() * torch.tensor([1.0, -1.0, -1.0], dtype=dtype)
-    old_logps[:3] += torch.tensor([[-0.8], [0.8], [-0.8]], dtype=dtype)
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(dtype)  # [N, T]
-    return logps, old_logps, ref_logps, advantages, mask
-
-
-def run_both(batch, **kwargs):
-    """(loss, grad, metrics) of grpo_loss and of the naive loop on the same batch."""
-    logps, old_logps, ref_logps, advantages, mask = batch
-    results = []
-    for fn in (grpo_loss, naive_loss):
-        x = logps.detach().clone().requires_grad_(True)
-        loss, metrics = fn(x, old_logps, ref_logps, advantages, mask, **kwargs)
-        (grad,) = torch.autograd.grad(loss, x)
-        results.append((loss, grad, metrics))
-    return results
-
-
-def assert_same(results):
-    (loss, grad, metrics), (ref_loss, ref_grad, ref_metrics) = results
-    torch.testing.assert_close(loss, ref_loss, **TIGHT)
-    torch.testing.assert_close(grad, ref_grad, **TIGHT)
-    assert metrics.keys() == ref_metrics.keys()
-    for name, value in ref_metrics.items():
-        assert metrics[name] == pytest.approx(value, abs=1e-12), name
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Every loss type and objective term against the loop
@@ -247,7 +75,7 @@ def test_grpo_loss_matches_naive_loop(loss_type, level, beta, clip_higher, on_po
         **TERMS[terms],
     )
     batch = (logps, None if on_policy else old_logps, ref_logps if beta else None, advantages, mask)
-    results = run_both(batch, **kwargs)
+    results = run_both(grpo_loss, batch, **kwargs)
     assert_same(results)
     assert results[0][1].abs().sum() > 0
 
@@ -493,113 +321,29 @@ def test_global_token_losses_are_invariant_to_accumulation(loss_type):
     torch.testing.assert_close(logps.grad, full_grad, **TIGHT)
 
 
-def loss_before_variants(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    *,
-    loss_type,
-    epsilon,
-    epsilon_high,
-    beta,
-    importance_sampling_level,
-    max_completion_length,
-    num_items_in_batch,
-):
-    """A frozen copy of the vectorised `core.grpo_loss` as it was before these variants (commit e442058), kept
-    as the bit-for-bit reference for the defaults. Do not edit it to follow core.py."""
-    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
-    mask = mask.to(logps.dtype)
-    lengths = mask.sum(-1)
-    advantages = advantages.detach().to(logps.dtype)
-    old_logps = logps.detach() if old_logps is None else old_logps.detach().to(logps.dtype)
-    log_ratio = logps - old_logps
-    log_ref_ratio = None if beta == 0 else ref_logps.detach().to(logps.dtype) - logps
-
-    def clipped(ratio, a):
-        clamped = ratio.clamp(1 - eps_low, 1 + eps_high)
-        return torch.min(ratio * a, clamped * a)
-
-    def k3(x):
-        return torch.exp(x) - x - 1
-
-    kl = None
-    if importance_sampling_level == "sequence_sum":
-        ratio = torch.exp((log_ratio * mask).sum(-1))
-        objective = clipped(ratio, advantages)
-        if beta != 0:
-            kl = k3((log_ref_ratio * mask).sum(-1))
-            objective = objective - beta * kl
-        objective = torch.where(lengths > 0, objective, 0.0).mean()
-        ratio = ratio[:, None]
-    else:
-        if importance_sampling_level == "token":
-            ratio = torch.exp(log_ratio)
-        else:
-            ratio = torch.exp((log_ratio * mask).sum(-1) / lengths.clamp(min=1))[:, None]
-        objective = clipped(ratio, advantages[:, None])
-        if beta != 0:
-            kl = k3(log_ref_ratio)
-            objective = objective - beta * kl
-        masked = objective * mask
-        num_items = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        objective = {
-            "grpo": lambda: (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
-            "bnpo": lambda: masked.sum() / mask.sum().clamp(min=1),
-            "dr_grpo": lambda: masked.sum() / (mask.shape[0] * max_completion_length),
-            "dapo": lambda: masked.sum() / torch.as_tensor(num_items, dtype=mask.dtype).clamp(min=1),
-        }[loss_type]()
-
-    tokens = mask.sum().clamp(min=1)
-    low = (ratio < 1 - eps_low) & (advantages[:, None] < 0)
-    high = (ratio > 1 + eps_high) & (advantages[:, None] > 0)
-    metrics = {
-        "clip_ratio/low_mean": ((low * mask).sum() / tokens).item(),
-        "clip_ratio/high_mean": ((high * mask).sum() / tokens).item(),
-        "clip_ratio/region_mean": (((low | high) * mask).sum() / tokens).item(),
-    }
-    if kl is not None:
-        metrics["kl"] = (kl.mean() if kl.dim() == 1 else (kl * mask).sum() / tokens).item()
-    return -objective, metrics
-
-
-DEFAULTS = dict(
-    delta=None,
-    use_bias_correction_kl=False,
-    off_policy_mask_threshold=None,
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0,
-    vespo_lambda_pos=3.0,
-    vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0,
-)
-
-
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
-def test_defaults_leave_the_loss_bit_identical(dtype):
-    """Every existing loss type / level / beta / clip-higher / on-off-policy combination: the new knobs at their
-    defaults (omitted, or passed explicitly) give exactly the loss, gradient and metrics of the frozen copy."""
+def test_defaults_leave_the_loss_as_it_was_before_the_variants(dtype):
+    """Every loss type / level / beta / clip-higher / on-off-policy combination of the default loss gives the loss,
+    gradient and metrics of `oracle.FROZEN_LOSS` (the vectorised loss before the variants), with the new knobs at their
+    defaults omitted or passed explicitly (bit for bit the same); the oracle gives them too."""
     count = 0
-    for loss_type, level, beta, epsilon_high, on_policy in itertools.product(
-        LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, (0.0, 0.04), (None, 0.28), (True, False)
-    ):
-        if level == "sequence_sum" and loss_type != "grpo":
-            continue
-        logps, old_logps, ref_logps, advantages, mask = make_batch(dtype=dtype)
-        batch = (None if on_policy else old_logps, ref_logps if beta else None, advantages, mask)
-        kwargs = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=epsilon_high, beta=beta)
-        kwargs.update(importance_sampling_level=level, max_completion_length=9, num_items_in_batch=40)
+    for row in FROZEN_LOSS:
+        logps, old_logps, ref_logps, advantages, mask = (t.to(dtype) for t in make_batch())  # FROZEN_LOSS's inputs
+        batch = (None if row["on_policy"] else old_logps, ref_logps if row["beta"] else None, advantages, mask)
+        kwargs = dict(loss_type=row["loss_type"], epsilon=0.2, epsilon_high=row["epsilon_high"], beta=row["beta"])
+        kwargs.update(importance_sampling_level=row["level"], max_completion_length=9, num_items_in_batch=40)
         results = []
-        for fn, extra in ((loss_before_variants, {}), (grpo_loss, {}), (grpo_loss, DEFAULTS)):
+        for fn, extra in ((grpo_loss, {}), (grpo_loss, TERM_DEFAULTS), (naive_loss, {})):
             x = logps.clone().requires_grad_(True)
             loss, metrics = fn(x, *batch, **kwargs, **extra)
             results.append((loss, torch.autograd.grad(loss, x)[0], metrics))
-        for loss, grad, metrics in results[1:]:
-            assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
-            assert metrics == results[0][2]
+        (loss, grad, metrics), (explicit_loss, explicit_grad, explicit_metrics) = results[:2]
+        assert torch.equal(loss, explicit_loss) and torch.equal(grad, explicit_grad) and metrics == explicit_metrics
+        tolerance = dict(abs=1e-12, rel=1e-12) if dtype == F64 else dict(abs=1e-6, rel=1e-5)
+        for loss, grad, metrics in results[::2]:
+            assert loss.item() == pytest.approx(row["loss"], **tolerance), row
+            assert gradient_digest(grad) == pytest.approx((row["grad_abs_sum"], row["grad_weighted_sum"]), **tolerance)
+            assert metrics == pytest.approx(row["metrics"], **tolerance), row
         count += 1
     assert count == 4 * 2 * 2 * 2 * 2 + 2 * 2 * 2
 
@@ -607,7 +351,7 @@ def test_defaults_leave_the_loss_bit_identical(dtype):
 def test_grpo_loss_defaults_are_check_loss_settings_defaults():
     """grpo_loss's new keywords default to "off" and check_loss_settings has nothing to say about them."""
     params = inspect.signature(grpo_loss).parameters
-    assert {name: params[name].default for name in DEFAULTS} == DEFAULTS
+    assert {name: params[name].default for name in TERM_DEFAULTS} == TERM_DEFAULTS
     for name, param in inspect.signature(check_loss_settings).parameters.items():
         assert param.default == params[name].default, name
     assert check_loss_settings() == []

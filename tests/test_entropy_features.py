@@ -1,7 +1,7 @@
 """TRL 1.16's entropy features: `top_entropy_quantile` (the policy term on the high-entropy tokens only),
 `entropy_coef` (the entropy bonus) and adaptive entropy control (Skywork-OR1).
 
-The maths in grpo_hf.core against naive loops written from the formulas in its docstrings (fp64, values and
+The maths in grpo_hf.core against the naive loops of tests/oracle.py (fp64, values and
 gradients); the per-group backward with the entropy; and the trainer: both log-prob paths, the loss it logs against
 the formula, evaluation, the adaptive coefficient across steps and across a resume.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model
-from test_core_variants import make_batch
+from oracle import F64, TIGHT, make_batch, naive_entropy_bonus, naive_loss, naive_quantile_mask
 from test_logprobs import _batch as logprob_batch
 from test_resume import assert_same_run, make_trainer
 from test_trainer import id_sum_reward, make_args, make_dataset, train_logs
@@ -35,67 +35,17 @@ from grpo_hf.core import (
 )
 from grpo_hf.logprobs import backward_per_group, completion_logps, padded_logps
 
-F64 = torch.float64
-TIGHT = dict(atol=1e-12, rtol=1e-12)
-
 # ---------------------------------------------------------------------------------------------------------------
-# The reference: the formulas as loops over python scalars
+# The reference: tests/oracle.py's loops
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def naive_quantile(values: list[float], q: float) -> float:
-    """Sort, x = q (n - 1), interpolate linearly between the neighbours of x."""
-    v = sorted(values)
-    x = q * (len(v) - 1)
-    lo, hi = math.floor(x), math.ceil(x)
-    return v[lo] + (x - lo) * (v[hi] - v[lo])
-
-
-def naive_high_entropy_mask(entropy, mask, rho) -> list[list[bool]]:
-    """M[i][t] = m[i][t] and H[i][t] >= tau, tau the (1 - rho) quantile of the completion tokens' entropies."""
-    N, T = mask.shape
-    pool = [entropy[i, t].item() for i in range(N) for t in range(T) if mask[i, t] == 1]
-    tau = naive_quantile(pool, 1 - rho) if pool else math.inf
-    return [[bool(mask[i, t] == 1 and entropy[i, t].item() >= tau) for t in range(T)] for i in range(N)]
-
-
-def naive_entropy_loss(logps, entropy, old_logps, ref_logps, advantages, mask, *, rho, coef, loss_type, **kw):
-    """loss = -J - coef * Hbar with l[i,t] = M[i,t] surrogate - beta KL[i,t] and Hbar the mean H over M: each
-    logps[i, t] and entropy[i, t] is its own scalar node. Clip family ("grpo", "dapo", "dr_grpo") and "sapo"."""
-    N, T = logps.shape
-    eps_low, eps_high = kw["epsilon"], kw["epsilon"] if kw["epsilon_high"] is None else kw["epsilon_high"]
-    beta, level = kw["beta"], kw["importance_sampling_level"]
-    keep = naive_high_entropy_mask(entropy.detach(), mask, rho)
-    tokens = [[t for t in range(T) if mask[i, t] == 1] for i in range(N)]
-    zero = logps.new_zeros(())
-    rows = []
-    for i in range(N):
-        a, ts = advantages[i].item(), tokens[i]
-        log_ratios = [logps[i, t] - old_logps[i, t].item() for t in ts]
-        s = torch.exp(sum(log_ratios, zero) / max(len(ts), 1))  # GSPO's s_i
-        row = zero
-        for t, log_ratio in zip(ts, log_ratios, strict=True):
-            r = torch.exp(log_ratio) if level == "token" else s
-            if loss_type == "sapo":
-                tau = 1.0 if a > 0 else 1.05
-                surrogate = torch.sigmoid(tau * (r - 1)) * 4 / tau * a
-            else:
-                surrogate = torch.min(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a)
-            l_it = surrogate * (1.0 if keep[i][t] else 0.0)
-            if beta != 0:
-                x = ref_logps[i, t].item() - logps[i, t]
-                l_it = l_it - beta * (torch.exp(x) - x - 1)
-            row = row + l_it
-        rows.append(row)
-    if loss_type in ("grpo", "sapo"):
-        J = sum((row / max(len(ts), 1) for row, ts in zip(rows, tokens, strict=True)), zero) / N
-    elif loss_type == "dapo":
-        J = sum(rows, zero) / kw["num_items_in_batch"]
-    else:  # dr_grpo
-        J = sum(rows, zero) / (N * kw["max_completion_length"])
-    kept = [entropy[i, t] for i in range(N) for t in range(T) if keep[i][t]]
-    h_bar = sum(kept, zero) / max(len(kept), 1)
-    return -J - coef * h_bar
+def naive_entropy_loss(logps, entropy, old_logps, ref_logps, advantages, mask, *, rho, coef, **kwargs):
+    """The oracle's loss with the policy term on the high-entropy tokens M (the 1 - rho quantile and above), minus
+    coef times the mean entropy over M."""
+    keep = naive_quantile_mask(entropy.detach(), mask, 1 - rho)
+    loss, _ = naive_loss(logps, old_logps, ref_logps, advantages, mask, policy_mask=keep, **kwargs)
+    return loss - naive_entropy_bonus(entropy, keep, coef)
 
 
 def implementation(logps, entropy, old_logps, ref_logps, advantages, mask, *, rho, coef, **kwargs):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_core_variants import make_batch
+from oracle import make_batch
 
 from grpo_hf import GRPOConfig
 from grpo_hf.core import (

@@ -1,36 +1,14 @@
 """The vLLM importance-sampling correction (`core.sampling_importance_weights`, `grpo_loss(sampling_weight=...)`)
-against naive loops written from its formula: values and gradients."""
+against the naive loops of tests/oracle.py: values and gradients."""
 
 import itertools
 import math
 
 import pytest
 import torch
-from test_core import F64, TIGHT, make_batch, naive_grpo_loss
+from oracle import F64, TIGHT, make_batch, naive_loss, naive_weights
 
 from grpo_hf.core import SAMPLING_CORRECTION_MODES, grpo_loss, sampling_importance_weights
-
-
-def naive_weights(old_logps, sampling_logps, mask, mode, clip_min, clip_max):
-    """w = pi_old / pi_sampler per token or per sequence, truncated or masked to [clip_min, clip_max]: a dict
-    (i, t) -> w for token modes, i -> w for sequence modes."""
-    N, T = old_logps.shape
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-
-    def bound(w):
-        if mode.endswith("truncate"):
-            return min(max(w, low), high)
-        return 0.0 if (w < low or w > high) else w
-
-    def diff(i, t):
-        d = float(old_logps[i, t]) - float(sampling_logps[i, t])
-        return 0.0 if math.isnan(d) else d
-
-    tokens = [[t for t in range(T) if mask[i, t] == 1] for i in range(N)]
-    if mode.startswith("sequence"):
-        return {i: bound(math.exp(sum(diff(i, t) for t in tokens[i]))) for i in range(N)}
-    return {(i, t): bound(math.exp(diff(i, t))) for i in range(N) for t in tokens[i]}
 
 
 def sampler_logps(old_logps, seed=1, scale=0.6):
@@ -70,13 +48,15 @@ def test_weights_match_naive_loop(mode, bounds):
     assert metrics["importance_sampling_ratio/max"].item() == pytest.approx(max(values), abs=1e-12)
 
 
-LOSS_CASES = list(itertools.product(("grpo", "dapo", "bnpo"), ("token", "sequence"), SAMPLING_CORRECTION_MODES))
+LOSS_CASES = list(
+    itertools.product(("grpo", "dapo", "bnpo", "vespo"), ("token", "sequence"), SAMPLING_CORRECTION_MODES)
+)
 
 
 @pytest.mark.parametrize("loss_type, level, mode", LOSS_CASES, ids=["-".join(c) for c in LOSS_CASES])
 def test_corrected_loss_matches_naive_loop(loss_type, level, mode):
-    """The weight multiplies each policy term, not the KL: loss and gradient as the naive loop, to 1e-12 in fp64
-    (and to 1e-6 in fp32)."""
+    """The weight multiplies each policy term, not the KL (vespo: it enters w_i): loss and gradient as the naive loop,
+    to 1e-12 in fp64 (and to 1e-6 in fp32)."""
     logps, old_logps, ref_logps, advantages, mask = make_batch()
     sampling = sampler_logps(old_logps)
     weight, _ = sampling_importance_weights(old_logps, sampling, mask, mode, 0.5, 2.0)
@@ -96,7 +76,7 @@ def test_corrected_loss_matches_naive_loop(loss_type, level, mode):
         args = (old_logps.to(dtype), ref_logps.to(dtype), advantages.to(dtype), mask.to(dtype))
         loss, _ = grpo_loss(x, *args, sampling_weight=weight.to(dtype), **kwargs)
         (grad,) = torch.autograd.grad(loss, x)
-        ref_loss, _ = naive_grpo_loss(
+        ref_loss, _ = naive_loss(
             x, *args, sampling_weight=lambda i, t: table[i] if per_sequence else table[i, t], **kwargs
         )
         (ref_grad,) = torch.autograd.grad(ref_loss, x)

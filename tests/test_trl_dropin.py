@@ -16,6 +16,7 @@ from unittest.mock import Mock
 
 import torch
 import trl
+from oracle import naive_quantile_mask
 
 import grpo_hf
 from grpo_hf.config import TRL_DEFAULTS, TRL_DIFFERENCES
@@ -63,19 +64,6 @@ def test_the_tables_list_only_real_differences_and_porting_shows_them():
     text = PORTING.read_text()
     for name in [*TRL_DEFAULTS, *TRL_DIFFERENCES]:
         assert re.search(rf"^\| `{name}` \|", text, re.M), f"docs/porting.md has no row for `{name}`"
-
-
-def naive_quantile_mask(entropies, mask, threshold):
-    values = sorted(
-        e for er, mr in zip(entropies.tolist(), mask.tolist(), strict=True) for e, m in zip(er, mr, strict=True) if m
-    )
-    x = threshold * (len(values) - 1)
-    low, high = values[int(x)], values[min(int(x) + 1, len(values) - 1)]
-    tau = low + (x - int(x)) * (high - low)
-    return [
-        [bool(m) and e >= tau for e, m in zip(er, mr, strict=True)]
-        for er, mr in zip(entropies.tolist(), mask.tolist(), strict=True)
-    ]
 
 
 def test_trls_public_methods_need_only_their_arguments_and_the_accelerator():
