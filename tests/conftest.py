@@ -1,4 +1,5 @@
-"""Shared offline fixtures: a byte-level tokenizer with a ChatML template and tiny models from configs.
+"""Shared offline fixtures: a byte-level tokenizer with a ChatML template, tiny models from configs, and the one
+builder of the tests' configs (`tiny_run_args` with a preset) and trainers (`make_trainer`).
 
 Nothing here touches the network: the tokenizer is built in memory from the 256 byte symbols, and
 the models are randomly initialised from small configs.
@@ -86,21 +87,76 @@ def tiny_qwen2(tokenizer):
     return build_tiny_model(tokenizer, "qwen2")
 
 
-def tiny_run_args(tmp_path, **overrides):
-    """A GRPOConfig for one CPU step on a tiny model: 2 groups of 2, 4 tokens; `overrides` win."""
+# ---- configs and trainers: the one builder of every test's GRPOConfig and GRPOTrainer ----------------------------
+ONE_STEP = dict(
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=4,
+    max_steps=1,
+    use_cpu=True,
+    save_strategy="no",
+)
+"""One CPU step on a tiny model: 2 groups of 2, 4 tokens (`tiny_run_args`' default preset)."""
+
+TRAINING = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_prompt_length=64,
+    max_steps=2,
+    learning_rate=1e-2,
+    use_cpu=True,
+    save_strategy="no",
+    logging_steps=1,
+    seed=0,
+    disable_tqdm=True,
+)
+"""Two logged CPU steps of one group of 4, 8 tokens, a learning rate that moves the tiny model (the trainer tests)."""
+
+
+def tiny_run_args(output_dir="unused", preset=ONE_STEP, **overrides):
+    """A GRPOConfig writing to `output_dir` and reporting nowhere: `preset`'s settings (a dict above, or `{}` for
+    GRPOConfig's defaults), then `overrides`, which win."""
     from grpo_hf import GRPOConfig
 
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-    )
-    return GRPOConfig(**{**settings, **overrides})
+    return GRPOConfig(**{"output_dir": str(output_dir), "report_to": "none", **preset, **overrides})
+
+
+def id_sum_reward(completion_ids, **kwargs):
+    """Varies within a group (depends on the sampled ids), so advantages are not all zero."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def make_dataset(n=8, **extra_columns):
+    """`n` arithmetic questions ("prompt") with their answers ("answer"), and `extra_columns`."""
+    from datasets import Dataset
+
+    columns = {
+        "prompt": [f"Question {i}: what is {i} + {i}?" for i in range(n)],
+        "answer": [str(2 * i) for i in range(n)],
+    }
+    columns.update(extra_columns)
+    return Dataset.from_dict(columns)
+
+
+def make_trainer(
+    args, reward=id_sum_reward, dataset=None, *, tokenizer=None, model=None, model_seed=0, trainer_cls=None, **kwargs
+):
+    """A `trainer_cls` (default GRPOTrainer) of `args` on `dataset` (default `make_dataset()`) with the byte tokenizer
+    and a tiny llama of seed `model_seed`, unless `tokenizer`/`model` are given; `kwargs` (peft_config, eval_dataset,
+    ...) go to the trainer."""
+    from grpo_hf import GRPOTrainer
+
+    trainer_cls = GRPOTrainer if trainer_cls is None else trainer_cls
+    tokenizer = build_tiny_tokenizer() if tokenizer is None else tokenizer
+    model = build_tiny_model(tokenizer, seed=model_seed) if model is None else model
+    dataset = make_dataset() if dataset is None else dataset
+    return trainer_cls(model, reward, args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
+
+
+def train_logs(trainer):
+    """The log entries of training steps (those with a "loss")."""
+    return [h for h in trainer.state.log_history if "loss" in h]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,14 +2,14 @@
 
 import dataclasses
 import logging
+from functools import partial
 
 import pytest
+from conftest import tiny_run_args
 
 from grpo_hf import GRPOConfig
 
-
-def config(**overrides) -> GRPOConfig:
-    return GRPOConfig(output_dir="unused", report_to="none", **overrides)
+config = partial(tiny_run_args, preset={})  # GRPOConfig(**overrides), reporting nowhere
 
 
 def test_defaults_follow_deepseekmath():

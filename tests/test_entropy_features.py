@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args, train_logs
 from oracle import F64, TIGHT, make_batch, naive_entropy_bonus, naive_loss, naive_quantile_mask
 from test_logprobs import _batch as logprob_batch
-from test_resume import assert_same_run, make_trainer
-from test_trainer import id_sum_reward, make_args, make_dataset, train_logs
+from test_resume import assert_same_run, checkpointed_trainer
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOConfig
 from grpo_hf.core import (
     EntropyControl,
     check_entropy_settings,
@@ -311,8 +310,8 @@ def one_sgd_step(tmp_path, tokenizer, **overrides):
     """One optimizer step of plain SGD (lr 1, no clipping): the parameter change is the gradient."""
     model = build_tiny_model(tokenizer, seed=3)
     settings = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, per_device_train_batch_size=8)
-    args = make_args(tmp_path, **{**settings, **overrides})
-    trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, **{**settings, **overrides})
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=model)
     trainer.train()
     initial = dict(build_tiny_model(tokenizer, seed=3).named_parameters())
     return trainer, {name: (p - initial[name]).detach() for name, p in model.named_parameters()}
@@ -369,8 +368,9 @@ def test_trainer_loss_policy_loss_and_eval_loss_are_the_formula(tmp_path, tokeni
     """dapo with 2 accumulated micro-batches: each micro-batch's loss is (accumulation x grpo_loss with the
     high-entropy mask) - coef x its mean entropy over the kept tokens; the bonus is not rescaled. Evaluation
     applies the same mask and bonus to the current policy, on-policy."""
-    args = make_args(
+    args = tiny_run_args(
         tmp_path,
+        TRAINING,
         loss_type="dapo",
         beta=0.04,
         per_device_train_batch_size=4,
@@ -382,9 +382,7 @@ def test_trainer_loss_policy_loss_and_eval_loss_are_the_formula(tmp_path, tokeni
     )
     model = build_tiny_model(tokenizer, seed=3)
     dataset, eval_dataset = make_dataset(), make_dataset(1)
-    trainer = GRPOTrainer(
-        model, id_sum_reward, args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer
-    )
+    trainer = make_trainer(args, id_sum_reward, dataset, tokenizer=tokenizer, model=model, eval_dataset=eval_dataset)
     trainer.train()
     initial = build_tiny_model(tokenizer, seed=3)
     slices = [formula_loss(initial, part, args, 2, part.num_items_in_batch) for part in trainer._buffer]
@@ -412,7 +410,7 @@ def test_adaptive_coefficient_is_logged_and_comes_back_on_resume(tmp_path):
         top_entropy_quantile=0.5,
         steps_per_generation=2,
     )
-    unbroken = make_trainer(tmp_path / "unbroken", **settings)
+    unbroken = checkpointed_trainer(tmp_path / "unbroken", **settings)
     unbroken.train()
     logs = [h for h in unbroken.state.log_history if "loss" in h]
     assert [h["entropy_coef"] for h in logs] == pytest.approx([0.05, 0.1, 0.15, 0.2])
@@ -420,7 +418,7 @@ def test_adaptive_coefficient_is_logged_and_comes_back_on_resume(tmp_path):
     assert abs(logs[1]["loss"] - logs[1]["policy_loss"]) > 1e-3
     run = tmp_path / "killed"
     shutil.copytree(tmp_path / "unbroken" / "checkpoint-2", run / "checkpoint-2")
-    resumed = make_trainer(run, **settings)
+    resumed = checkpointed_trainer(run, **settings)
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, unbroken, after=2)
     assert resumed.objective.entropy.state() == unbroken.objective.entropy.state()

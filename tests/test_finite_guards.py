@@ -7,14 +7,14 @@ import re
 
 import pytest
 import torch
-from conftest import build_tiny_model, tiny_run_args
+from conftest import build_tiny_model, make_trainer, tiny_run_args
 from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.metrics import check_finite_rewards
 
-_args = tiny_run_args
+FOUR_PROMPTS = {"prompt": ["a", "b", "c", "d"]}
 
 
 def test_a_reward_too_large_for_float32_stops_training_and_names_the_function(tmp_path, tokenizer):
@@ -24,7 +24,7 @@ def test_a_reward_too_large_for_float32_stops_training_and_names_the_function(tm
     model = build_tiny_model(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = GRPOTrainer(
-        model, huge, _args(tmp_path), Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer
+        model, huge, tiny_run_args(tmp_path), Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer
     )
     with pytest.raises(ValueError, match=r"Reward function 'huge' returned inf .*completion 3"):
         trainer.train()
@@ -42,7 +42,7 @@ def test_check_finite_rewards_allows_none_as_nan_and_rejects_inf():
 @pytest.mark.parametrize("weight", [math.inf, math.nan])
 def test_a_non_finite_reward_weight_is_an_error_at_construction(tmp_path, weight):
     with pytest.raises(ValueError, match="reward_weights=.*non-finite"):
-        _args(tmp_path, reward_weights=[1.0, weight])
+        tiny_run_args(tmp_path, reward_weights=[1.0, weight])
 
 
 def _index_reward(completion_ids, **kwargs):
@@ -63,18 +63,18 @@ class NaNReference(GRPOTrainer):
         self.experience.reference_logps = nan_in_the_first_rollout
 
 
-def _trainer(cls, tmp_path, tokenizer, reward=_index_reward, **overrides):
-    dataset = Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})
-    args = _args(tmp_path, **overrides)
-    return cls(build_tiny_model(tokenizer), reward, args, dataset, processing_class=tokenizer)
-
-
 def _weights(trainer):
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
 def test_a_nan_loss_stops_training_naming_its_cause_before_the_weights_change(tmp_path, tokenizer):
-    trainer = _trainer(NaNReference, tmp_path, tokenizer)
+    trainer = make_trainer(
+        tiny_run_args(tmp_path),
+        _index_reward,
+        Dataset.from_dict(FOUR_PROMPTS),
+        tokenizer=tokenizer,
+        trainer_cls=NaNReference,
+    )
     before = _weights(trainer)
     with pytest.raises(FloatingPointError, match=r"Non-finite loss at optimizer step 1: .*ref_logps \(\d+ values\)"):
         trainer.train()
@@ -82,7 +82,10 @@ def test_a_nan_loss_stops_training_naming_its_cause_before_the_weights_change(tm
 
 
 def test_skip_step_drops_the_update_logs_the_nan_loss_and_goes_on(tmp_path, tokenizer):
-    trainer = _trainer(NaNReference, tmp_path, tokenizer, on_nonfinite="skip_step", max_steps=2, learning_rate=1e-2)
+    args = tiny_run_args(tmp_path, on_nonfinite="skip_step", max_steps=2, learning_rate=1e-2)
+    trainer = make_trainer(
+        args, _index_reward, Dataset.from_dict(FOUR_PROMPTS), tokenizer=tokenizer, trainer_cls=NaNReference
+    )
     before = _weights(trainer)
     updates = []
     trainer.add_callback(
@@ -112,9 +115,9 @@ def _overflowing_rewards(completion_ids, **kwargs):  # each finite in float32, t
 
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
 def test_advantages_that_overflow_name_the_reward_functions_and_completion(tmp_path, tokenizer, caplog, policy):
-    trainer = _trainer(
-        GRPOTrainer, tmp_path, tokenizer, reward=[_overflowing_rewards, _overflowing_rewards], on_nonfinite=policy
-    )
+    rewards = [_overflowing_rewards, _overflowing_rewards]
+    args = tiny_run_args(tmp_path, on_nonfinite=policy)
+    trainer = make_trainer(args, rewards, Dataset.from_dict(FOUR_PROMPTS), tokenizer=tokenizer)
     before = _weights(trainer)
     expected = (
         r"Non-finite advantages at optimizer step 1: .*completion 2 \(group 1\).*_overflowing_rewards: 1 x 3e\+38"
@@ -131,7 +134,9 @@ def test_advantages_that_overflow_name_the_reward_functions_and_completion(tmp_p
 
 
 def test_an_infinite_gradient_names_the_parameter(tmp_path, tokenizer):
-    trainer = _trainer(GRPOTrainer, tmp_path, tokenizer)
+    trainer = make_trainer(
+        tiny_run_args(tmp_path), _index_reward, Dataset.from_dict(FOUR_PROMPTS), tokenizer=tokenizer
+    )
     name, param = next((n, p) for n, p in trainer.model.named_parameters() if "layers.1.mlp.up_proj" in n)
     param.register_hook(lambda grad: grad * float("inf"))
     before = _weights(trainer)
@@ -144,4 +149,4 @@ def test_an_infinite_gradient_names_the_parameter(tmp_path, tokenizer):
 
 def test_on_nonfinite_is_checked(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite"):
-        _args(tmp_path, on_nonfinite="ignore")
+        tiny_run_args(tmp_path, on_nonfinite="ignore")

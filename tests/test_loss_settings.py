@@ -6,13 +6,14 @@ import ast
 import dataclasses
 import inspect
 import itertools
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_run_args
 from oracle import make_batch
 
-from grpo_hf import GRPOConfig
 from grpo_hf.core import (
     ALL_LOSS_TYPES,
     CLIPPED_LOSS_TYPES,
@@ -139,8 +140,7 @@ def test_the_settings_know_every_loss_variant_and_its_family():
     assert clipped == CLIPPED_LOSS_TYPES
 
 
-def config(**overrides) -> GRPOConfig:
-    return GRPOConfig(output_dir="unused", report_to="none", **overrides)
+config = partial(tiny_run_args, preset={})  # GRPOConfig(**overrides), reporting nowhere
 
 
 def test_the_config_builds_the_settings_from_its_fields_once():

@@ -12,44 +12,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import id_sum_reward, make_trainer, tiny_run_args
 from datasets import Dataset
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOTrainer
 from grpo_hf.checkpoint import RUN_STATE, STAGING_DIR
 
 VOLATILE = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
-def reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
+CHECKPOINTED = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    max_steps=4,
+    learning_rate=2e-2,
+    beta=0.04,
+    save_strategy="steps",
+    save_steps=1,
+    logging_steps=1,
+    use_cpu=True,
+    disable_tqdm=True,
+    seed=0,
+)
+"""Four logged CPU steps with a checkpoint after each and a KL term."""
 
 
-def make_trainer(output_dir, num_prompts: int = 8, stream: bool = False, **overrides) -> GRPOTrainer:
-    """The tiny model on `num_prompts` prompts (a `datasets.IterableDataset` with `stream`), a checkpoint a step."""
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=1)
+def checkpointed_trainer(output_dir, num_prompts: int = 8, stream: bool = False, **overrides) -> GRPOTrainer:
+    """`CHECKPOINTED` on `num_prompts` prompts (a `datasets.IterableDataset` with `stream`), tiny model seed 1."""
     dataset = Dataset.from_dict({"prompt": [f"Question {i}: {i} + {i} =" for i in range(num_prompts)]})
     if stream:
         dataset = dataset.to_iterable_dataset()
-    settings = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=4,
-        learning_rate=2e-2,
-        beta=0.04,
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    args = GRPOConfig(**{**settings, **overrides})
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    return make_trainer(tiny_run_args(output_dir, CHECKPOINTED, **overrides), id_sum_reward, dataset, model_seed=1)
 
 
 def step_logs(trainer, after: int = 0) -> list[dict]:
@@ -81,12 +75,12 @@ RESUME_CASES = {
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_a_resumed_run_repeats_the_unbroken_run_exactly(tmp_path, case):
     overrides, num_prompts, stop_at = RESUME_CASES[case]
-    unbroken = make_trainer(tmp_path / "unbroken", num_prompts, **overrides)
+    unbroken = checkpointed_trainer(tmp_path / "unbroken", num_prompts, **overrides)
     unbroken.train()
     # What a kill right after checkpoint `stop_at` leaves on disk.
     run = tmp_path / "killed"
     shutil.copytree(tmp_path / "unbroken" / f"checkpoint-{stop_at}", run / f"checkpoint-{stop_at}")
-    resumed = make_trainer(run, num_prompts, **overrides)
+    resumed = checkpointed_trainer(run, num_prompts, **overrides)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == unbroken.state.global_step
     assert_same_run(resumed, unbroken, after=stop_at)
@@ -97,7 +91,7 @@ def test_a_resumed_run_repeats_the_unbroken_run_exactly(tmp_path, case):
 KILLER = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}]
-from test_resume import make_trainer
+from test_resume import checkpointed_trainer
 from grpo_hf import checkpoint
 
 kill_at = {kill_at!r}
@@ -108,7 +102,7 @@ if {while_saving!r}:
             os.kill(os.getpid(), signal.SIGKILL)  # files written, not yet renamed into place
         publish(staged, final)
     checkpoint.publish = publish_then_die
-trainer = make_trainer({out!r}, max_steps=4, steps_per_generation=2)
+trainer = checkpointed_trainer({out!r}, max_steps=4, steps_per_generation=2)
 if not {while_saving!r}:
     from transformers import TrainerCallback
     class Die(TrainerCallback):
@@ -135,21 +129,21 @@ def test_sigkill_then_resume_true_repeats_the_unbroken_run(tmp_path, caplog, whi
     if while_saving:  # the half-published checkpoint sits in the staging directory, not as checkpoint-3
         assert (out / STAGING_DIR / "checkpoint-3" / RUN_STATE.format(rank=0)).is_file()
 
-    resumed = make_trainer(out, max_steps=4, steps_per_generation=2)
+    resumed = checkpointed_trainer(out, max_steps=4, steps_per_generation=2)
     resumed.train(resume_from_checkpoint=True)
-    unbroken = make_trainer(tmp_path / "unbroken", max_steps=4, steps_per_generation=2)
+    unbroken = checkpointed_trainer(tmp_path / "unbroken", max_steps=4, steps_per_generation=2)
     unbroken.train()
     assert_same_run(resumed, unbroken, after=2 if while_saving else 3)
     assert not (out / STAGING_DIR).exists()  # the next save replaced the leftover and tidied up
 
 
 def test_resume_true_skips_an_incomplete_newest_checkpoint_with_a_warning(tmp_path, caplog):
-    first = make_trainer(tmp_path, max_steps=2)
+    first = checkpointed_trainer(tmp_path, max_steps=2)
     first.train()
     partial = tmp_path / "checkpoint-7"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    again = make_trainer(tmp_path, max_steps=3)
+    again = checkpointed_trainer(tmp_path, max_steps=3)
     with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoint"):
         again.train(resume_from_checkpoint=True)
     assert any("Skipping" in r.getMessage() and "checkpoint-7" in r.getMessage() for r in caplog.records)
@@ -157,7 +151,7 @@ def test_resume_true_skips_an_incomplete_newest_checkpoint_with_a_warning(tmp_pa
 
 
 def test_resume_errors_name_the_problem(tmp_path):
-    trainer = make_trainer(tmp_path / "empty", max_steps=1)
+    trainer = checkpointed_trainer(tmp_path / "empty", max_steps=1)
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         trainer.train(resume_from_checkpoint=True)
     (tmp_path / "half").mkdir()
@@ -169,8 +163,8 @@ def test_an_unwritable_output_dir_fails_at_construction_and_at_train(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="output_dir=.*a_file/run.* is not a writable directory"):
-        make_trainer(blocker / "run", max_steps=1)
-    trainer = make_trainer(tmp_path / "run", max_steps=1)
+        checkpointed_trainer(blocker / "run", max_steps=1)
+    trainer = checkpointed_trainer(tmp_path / "run", max_steps=1)
     shutil.rmtree(tmp_path / "run")
     (tmp_path / "run").write_text("replaced by a file since")
     with pytest.raises(ValueError, match="is not a writable directory"):
@@ -181,7 +175,7 @@ def test_an_unwritable_output_dir_fails_at_construction_and_at_train(tmp_path):
 STOPPER = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}]
-from test_resume import make_trainer
+from test_resume import checkpointed_trainer
 from transformers import TrainerCallback
 
 class Preempt(TrainerCallback):
@@ -189,7 +183,7 @@ class Preempt(TrainerCallback):
         if state.global_step == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before it kills a job
 
-trainer = make_trainer({out!r}, max_steps=6, save_steps=500, steps_per_generation=2)
+trainer = checkpointed_trainer({out!r}, max_steps=6, save_steps=500, steps_per_generation=2)
 trainer.add_callback(Preempt())
 trainer.train()
 print("global_step", trainer.state.global_step)
@@ -206,8 +200,8 @@ def test_sigterm_finishes_the_step_saves_and_stops_so_nothing_is_lost(tmp_path):
     assert "global_step 3" in result.stdout and "SIGTERM" in result.stderr
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
 
-    resumed = make_trainer(out, max_steps=6, save_steps=500, steps_per_generation=2)
+    resumed = checkpointed_trainer(out, max_steps=6, save_steps=500, steps_per_generation=2)
     resumed.train(resume_from_checkpoint=True)
-    unbroken = make_trainer(tmp_path / "unbroken", max_steps=6, save_steps=500, steps_per_generation=2)
+    unbroken = checkpointed_trainer(tmp_path / "unbroken", max_steps=6, save_steps=500, steps_per_generation=2)
     unbroken.train()
     assert_same_run(resumed, unbroken, after=3)

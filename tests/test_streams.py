@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args
 from datasets import Dataset, IterableDatasetDict
-from test_trainer import _run_distributed_step, id_sum_reward, make_args, make_dataset
+from test_trainer import _run_distributed_step
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.rollout import RepeatedStream, RepeatSampler
@@ -71,7 +71,7 @@ def train_recording_prompts(tmp_path, tokenizer, train_dataset, **overrides):
         seen.append(list(prompts))
         return id_sum_reward(completion_ids)
 
-    args = make_args(tmp_path, **{"shuffle_dataset": False, "beta": 0.04, **overrides})
+    args = tiny_run_args(tmp_path, TRAINING, **{"shuffle_dataset": False, "beta": 0.04, **overrides})
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer, seed=3), reward, args, train_dataset=train_dataset, processing_class=tokenizer
     )
@@ -128,7 +128,7 @@ def test_two_processes_on_a_stream_match_one_process_on_the_dataset(tmp_path, ac
 
 
 def test_evaluate_on_streams_equals_evaluate_on_datasets(tmp_path, tokenizer):
-    args = make_args(tmp_path, per_device_eval_batch_size=4, beta=0.04)
+    args = tiny_run_args(tmp_path, TRAINING, per_device_eval_batch_size=4, beta=0.04)
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
     )
@@ -151,13 +151,14 @@ def test_evaluate_on_streams_equals_evaluate_on_datasets(tmp_path, tokenizer):
 def test_a_stream_gets_one_loader_worker_and_no_dispatching(tmp_path, tokenizer, caplog):
     stream = make_dataset().to_iterable_dataset()
     with caplog.at_level(logging.WARNING, logger="grpo_hf.streams"):
-        trainer = build_on_stream(tmp_path, tokenizer, stream, dataloader_num_workers=2)
+        args = tiny_run_args(tmp_path, TRAINING, dataloader_num_workers=2)
+        trainer = make_trainer(args, id_sum_reward, stream, tokenizer=tokenizer)
     assert "dataloader_num_workers=2 is set to 0" in caplog.text
     assert trainer.args.dataloader_num_workers == 0 and trainer.args.accelerator_config.dispatch_batches is False
     assert trainer.get_train_dataloader().num_workers == 0
 
     # an eval stream: its own loader reads with one worker; the map-style train set keeps its workers
-    args = make_args(tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=4)
+    args = tiny_run_args(tmp_path, TRAINING, dataloader_num_workers=2, per_device_eval_batch_size=4)
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer),
         id_sum_reward,
@@ -169,16 +170,6 @@ def test_a_stream_gets_one_loader_worker_and_no_dispatching(tmp_path, tokenizer,
     assert trainer.get_train_dataloader().num_workers == 2
     assert trainer.get_eval_dataloader().num_workers == 0
     assert trainer.args.dataloader_num_workers == 2 and trainer.args.dataloader_persistent_workers is False
-
-
-def build_on_stream(tmp_path, tokenizer, stream, **overrides):
-    return GRPOTrainer(
-        build_tiny_model(tokenizer),
-        id_sum_reward,
-        make_args(tmp_path, **overrides),
-        train_dataset=stream,
-        processing_class=tokenizer,
-    )
 
 
 @pytest.mark.parametrize(
@@ -206,7 +197,8 @@ def build_on_stream(tmp_path, tokenizer, stream, **overrides):
 )
 def test_what_a_stream_needs_is_checked_up_front(tmp_path, tokenizer, stream, overrides, error, message):
     with pytest.raises(error, match=message):
-        build_on_stream(tmp_path, tokenizer, stream.to_iterable_dataset() if len(stream) else empty(), **overrides)
+        stream = stream.to_iterable_dataset() if len(stream) else empty()
+        make_trainer(tiny_run_args(tmp_path, TRAINING, **overrides), id_sum_reward, stream, tokenizer=tokenizer)
 
 
 def empty():
@@ -214,7 +206,9 @@ def empty():
 
 
 def test_a_stream_given_to_evaluate_is_checked_like_one_given_at_construction(tmp_path, tokenizer):
-    args = make_args(tmp_path, per_device_eval_batch_size=4, accelerator_config={"dispatch_batches": True})
+    args = tiny_run_args(
+        tmp_path, TRAINING, per_device_eval_batch_size=4, accelerator_config={"dispatch_batches": True}
+    )
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
     )

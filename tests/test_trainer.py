@@ -7,49 +7,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args, train_logs
 from datasets import Dataset
 
-from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.rollout import RepeatSampler, completion_mask, tokenize_prompts
-
-
-def id_sum_reward(completion_ids, **kwargs):
-    """Varies within a group (depends on the sampled ids), so advantages are not all zero."""
-    return [float(sum(ids) % 7) for ids in completion_ids]
-
-
-def make_args(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_prompt_length=64,
-        max_steps=2,
-        learning_rate=1e-2,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return GRPOConfig(**values)
-
-
-def make_dataset(n=8, **extra_columns):
-    columns = {
-        "prompt": [f"Question {i}: what is {i} + {i}?" for i in range(n)],
-        "answer": [str(2 * i) for i in range(n)],
-    }
-    columns.update(extra_columns)
-    return Dataset.from_dict(columns)
-
-
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "loss" in h]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,35 +61,35 @@ def test_tokenize_prompts_left_pads_truncates_and_encodes_groups_once(tokenizer)
 def test_missing_prompt_column_is_named(tmp_path, tokenizer, tiny_llama):
     dataset = Dataset.from_dict({"question": ["a", "b"]})
     with pytest.raises(ValueError, match=r"no 'prompt' column \(found: \['question'\]\)"):
-        GRPOTrainer(tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer)
+        make_trainer(tiny_run_args(tmp_path, TRAINING), id_sum_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
 
 
 def test_empty_dataset_is_rejected(tmp_path, tokenizer, tiny_llama):
     dataset = Dataset.from_dict({"prompt": []})
     with pytest.raises(ValueError, match="train_dataset is empty"):
-        GRPOTrainer(tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer)
+        make_trainer(tiny_run_args(tmp_path, TRAINING), id_sum_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
 
 
 def test_batch_not_divisible_by_num_generations_names_the_settings(tmp_path):
     with pytest.raises(ValueError, match="num_generations=4"):
-        make_args(tmp_path, per_device_train_batch_size=6)
+        tiny_run_args(tmp_path, TRAINING, per_device_train_batch_size=6)
 
 
 def test_wrong_number_of_reward_weights(tmp_path, tokenizer, tiny_llama):
     with pytest.raises(ValueError, match="reward_weights has 1 entries but there are 2"):
-        GRPOTrainer(
-            tiny_llama,
+        make_trainer(
+            tiny_run_args(tmp_path, TRAINING, reward_weights=[1.0]),
             [id_sum_reward, "accuracy"],
-            make_args(tmp_path, reward_weights=[1.0]),
-            train_dataset=make_dataset(),
-            processing_class=tokenizer,
+            make_dataset(),
+            tokenizer=tokenizer,
+            model=tiny_llama,
         )
 
 
 def test_unknown_reward_name_lists_known_names(tmp_path, tokenizer, tiny_llama):
     with pytest.raises(ValueError, match="accuracy"):
-        GRPOTrainer(
-            tiny_llama, "no_such_reward", make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+        make_trainer(
+            tiny_run_args(tmp_path, TRAINING), "no_such_reward", make_dataset(), tokenizer=tokenizer, model=tiny_llama
         )
 
 
@@ -139,8 +100,8 @@ def test_unknown_reward_name_lists_known_names(tmp_path, tokenizer, tiny_llama):
 def test_training_changes_every_trainable_parameter(tmp_path, tokenizer, arch):
     model = build_tiny_model(tokenizer, arch)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = GRPOTrainer(
-        model, id_sum_reward, make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING), id_sum_reward, make_dataset(), tokenizer=tokenizer, model=model
     )
     trainer.train()
     unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
@@ -155,8 +116,8 @@ def test_bf16_trains(tmp_path, tokenizer, precision):
     if precision == "bf16_weights":
         model = model.to(torch.bfloat16)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    args = make_args(tmp_path, bf16=precision == "bf16_autocast")
-    trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, bf16=precision == "bf16_autocast")
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=model)
     trainer.train()
     assert [name for name, p in model.named_parameters() if torch.equal(p, before[name])] == []
     logs = train_logs(trainer)
@@ -167,12 +128,12 @@ def test_lora_trains_adapters_and_keeps_base_weights(tmp_path, tokenizer, tiny_l
     from peft import LoraConfig
 
     base = {name: p.detach().clone() for name, p in tiny_llama.named_parameters()}
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, beta=0.04),
         id_sum_reward,
-        make_args(tmp_path, beta=0.04),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"),
     )
     assert trainer.ref_model is None  # the reference is the base model with adapters off: no copy
@@ -197,12 +158,12 @@ def test_lora_adapters_are_initialised_from_seed(tmp_path, tokenizer):
         model = build_tiny_model(tokenizer, seed=3)  # the same base model each time
         torch.manual_seed(rng_before)  # what ran before the trainer must not matter
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
-        trainer = GRPOTrainer(
-            model,
+        trainer = make_trainer(
+            tiny_run_args(tmp_path, TRAINING, seed=seed),
             id_sum_reward,
-            make_args(tmp_path, seed=seed),
-            train_dataset=make_dataset(),
-            processing_class=tokenizer,
+            make_dataset(),
+            tokenizer=tokenizer,
+            model=model,
             peft_config=config,
         )
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
@@ -225,15 +186,16 @@ def test_lora_adapters_are_initialised_from_seed(tmp_path, tokenizer):
     + [(loss, "group", level) for loss in ("cispo", "sapo", "luspo", "vespo") for level in ("token", "sequence")],
 )
 def test_loss_variants_train_to_finite_losses(tmp_path, tokenizer, tiny_llama, loss_type, scale_rewards, level):
-    args = make_args(
+    args = tiny_run_args(
         tmp_path,
+        TRAINING,
         loss_type=loss_type,
         scale_rewards=scale_rewards,
         importance_sampling_level=level,
         max_steps=2,
         num_iterations=2,
     )
-    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     losses = [h["loss"] for h in train_logs(trainer)]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
@@ -249,12 +211,12 @@ def test_loss_variants_train_to_finite_losses(tmp_path, tokenizer, tiny_llama, l
     ],
 )
 def test_rollouts_are_reused(tmp_path, tokenizer, tiny_llama, overrides, expected_calls):
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, **overrides),
         id_sum_reward,
-        make_args(tmp_path, **overrides),
-        train_dataset=make_dataset(16),
-        processing_class=tokenizer,
+        make_dataset(16),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     trainer.train()
     assert trainer.num_generate_calls == expected_calls
@@ -262,16 +224,16 @@ def test_rollouts_are_reused(tmp_path, tokenizer, tiny_llama, overrides, expecte
 
 
 def test_old_logps_only_when_the_policy_moved(tmp_path, tokenizer, tiny_llama):
-    on_policy = GRPOTrainer(
-        tiny_llama, id_sum_reward, make_args(tmp_path), train_dataset=make_dataset(), processing_class=tokenizer
+    on_policy = make_trainer(
+        tiny_run_args(tmp_path, TRAINING), id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama
     )
     assert on_policy.experience.needs_old_logps is False
-    reused = GRPOTrainer(
-        tiny_llama,
+    reused = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, num_iterations=2),
         id_sum_reward,
-        make_args(tmp_path, num_iterations=2),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     assert reused.experience.needs_old_logps is True
 
@@ -284,8 +246,8 @@ def test_without_shuffle_rollouts_cover_rows_in_order(tmp_path, tokenizer, tiny_
         return [0.0] * len(prompts)
 
     dataset = make_dataset(6, index=list(range(6)))
-    args = make_args(tmp_path, shuffle_dataset=False, max_steps=3, per_device_train_batch_size=8)
-    trainer = GRPOTrainer(tiny_llama, recording_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, shuffle_dataset=False, max_steps=3, per_device_train_batch_size=8)
+    trainer = make_trainer(args, recording_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -293,12 +255,12 @@ def test_without_shuffle_rollouts_cover_rows_in_order(tmp_path, tokenizer, tiny_
 
 
 def test_beta_zero_builds_no_reference_and_logs_no_kl(tmp_path, tokenizer, tiny_llama):
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, beta=0.0),
         id_sum_reward,
-        make_args(tmp_path, beta=0.0),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     assert trainer.ref_model is None
     trainer.train()
@@ -306,12 +268,12 @@ def test_beta_zero_builds_no_reference_and_logs_no_kl(tmp_path, tokenizer, tiny_
 
 
 def test_beta_positive_logs_kl_zero_at_first_step(tmp_path, tokenizer, tiny_llama):
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, beta=0.04),
         id_sum_reward,
-        make_args(tmp_path, beta=0.04),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     assert trainer.ref_model is not None and not trainer.ref_model.training
     trainer.train()
@@ -327,8 +289,8 @@ def test_weighted_constant_rewards(tmp_path, tokenizer, tiny_llama):
     def zeros(completions, **kwargs):
         return [0.0] * len(completions)
 
-    args = make_args(tmp_path, reward_weights=[0.7, 0.3], max_steps=1)
-    trainer = GRPOTrainer(tiny_llama, [ones, zeros], args, train_dataset=make_dataset(), processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, reward_weights=[0.7, 0.3], max_steps=1)
+    trainer = make_trainer(args, [ones, zeros], make_dataset(), tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     log = train_logs(trainer)[0]
     assert log["reward"] == pytest.approx(0.7)
@@ -340,12 +302,12 @@ def test_all_none_rewards_train_with_a_warning(tmp_path, tokenizer, tiny_llama, 
     def not_applicable(completions, **kwargs):
         return [None] * len(completions)
 
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, max_steps=1),
         not_applicable,
-        make_args(tmp_path, max_steps=1),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     with caplog.at_level(logging.WARNING, logger="grpo_hf"):
         trainer.train()
@@ -361,8 +323,8 @@ def test_columns_and_trainer_state_reach_reward_functions(tmp_path, tokenizer, t
         return [1.0] * len(prompts)
 
     dataset = make_dataset(4, topic=["t0", "t1", "t2", "t3"])
-    args = make_args(tmp_path, max_steps=1, shuffle_dataset=False)
-    trainer = GRPOTrainer(tiny_llama, inspecting, args, train_dataset=dataset, processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, shuffle_dataset=False)
+    trainer = make_trainer(args, inspecting, dataset, tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     assert received == {"answer": ["0"] * 4, "topic": ["t0"] * 4, "step": 0, "n": 4}
 
@@ -372,12 +334,12 @@ def test_async_reward_function(tmp_path, tokenizer, tiny_llama):
         await asyncio.sleep(0)
         return [float(len(ids)) for ids in completion_ids]
 
-    trainer = GRPOTrainer(
-        tiny_llama,
+    trainer = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, max_steps=1),
         async_reward,
-        make_args(tmp_path, max_steps=1),
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=tiny_llama,
     )
     trainer.train()
     assert train_logs(trainer)[0]["rewards/async_reward/mean"] > 0
@@ -385,12 +347,13 @@ def test_async_reward_function(tmp_path, tokenizer, tiny_llama):
 
 def test_all_truncated_and_masked_leaves_parameters_unchanged(tmp_path, tokenizer, tiny_llama):
     before = {n: p.detach().clone() for n, p in tiny_llama.named_parameters()}
-    args = make_args(
+    args = tiny_run_args(
         tmp_path,
+        TRAINING,
         mask_truncated_completions=True,
         generation_kwargs={"min_new_tokens": 8},  # EOS is blocked: every completion is truncated
     )
-    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     logs = train_logs(trainer)
     assert logs[0]["completions/clipped_ratio"] == 1.0
@@ -407,8 +370,9 @@ def test_gradient_accumulation_invariance(tmp_path, tokenizer, loss_type):
     updated = []
     for per_device, accumulation in ((8, 1), (4, 2)):
         model = build_tiny_model(tokenizer, seed=3)
-        args = make_args(
+        args = tiny_run_args(
             tmp_path,
+            TRAINING,
             per_device_train_batch_size=per_device,
             gradient_accumulation_steps=accumulation,
             num_generations=4,
@@ -419,7 +383,7 @@ def test_gradient_accumulation_invariance(tmp_path, tokenizer, loss_type):
             loss_type=loss_type,
             beta=0.04,
         )
-        trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+        trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=model)
         trainer.train()
         assert trainer.num_generate_calls == 1
         updated.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -431,14 +395,11 @@ def test_gradient_accumulation_invariance(tmp_path, tokenizer, loss_type):
 
 
 def test_eval_during_training_logs_eval_reward(tmp_path, tokenizer, tiny_llama):
-    args = make_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, max_steps=2)
-    trainer = GRPOTrainer(
-        tiny_llama,
-        id_sum_reward,
-        args,
-        train_dataset=make_dataset(),
-        eval_dataset=make_dataset(2),
-        processing_class=tokenizer,
+    args = tiny_run_args(
+        tmp_path, TRAINING, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, max_steps=2
+    )
+    trainer = make_trainer(
+        args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama, eval_dataset=make_dataset(2)
     )
     trainer.train()
     eval_logs = [h for h in trainer.state.log_history if "eval_reward" in h]
@@ -456,8 +417,8 @@ def test_conversational_prompts_and_log_completions(tmp_path, tokenizer, tiny_ll
         return [float(len(c[0]["content"])) for c in completions]
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}"}] for i in range(4)]})
-    args = make_args(tmp_path, max_steps=1, log_completions=True, max_prompt_length=16)
-    trainer = GRPOTrainer(tiny_llama, chat_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, log_completions=True, max_prompt_length=16)
+    trainer = make_trainer(args, chat_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     assert seen["prompt"][0]["role"] == "user"
     assert seen["completion"][0]["role"] == "assistant"
@@ -580,8 +541,9 @@ def test_toy_task_learns_from_scratch(tmp_path):
     dataset = toy_dataset(tokenizer)
     model = build_toy_model()
     assert 100_000 < model.num_parameters() < 1_000_000
-    args = make_args(
+    args = tiny_run_args(
         tmp_path,
+        TRAINING,
         per_device_train_batch_size=32,
         num_generations=8,
         max_completion_length=6,
@@ -592,7 +554,7 @@ def test_toy_task_learns_from_scratch(tmp_path):
         scale_rewards="none",
         lr_scheduler_type="constant",
     )
-    trainer = GRPOTrainer(model, toy_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = make_trainer(args, toy_reward, dataset, tokenizer=tokenizer, model=model)
     trainer.train()
     rewards = [h["reward"] for h in train_logs(trainer)]
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -612,8 +574,8 @@ def test_toy_task_learns_from_scratch(tmp_path):
     ],
 )
 def test_log_prob_path_and_why_are_logged_at_start_up(tmp_path, tiny_llama, tokenizer, caplog, overrides, expected):
-    args = make_args(tmp_path, max_steps=1, **overrides)
-    trainer = GRPOTrainer(tiny_llama, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, **overrides)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama)
     with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
     assert any(expected in record.getMessage() for record in caplog.records)

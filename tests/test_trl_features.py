@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args, train_logs
 from test_reward_models import build_model as build_reward_model
 from test_reward_models import build_tokenizer as build_reward_tokenizer
-from test_trainer import id_sum_reward, make_args, make_dataset, train_logs
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -120,13 +119,11 @@ def rollouts_of(trainer) -> list[dict]:
 
 @pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
 def test_trainer_advantages_follow_the_aggregation(tmp_path, tokenizer, aggregation):
-    args = make_args(
-        tmp_path, max_steps=1, beta=0.0, reward_weights=[1.0, 0.5], multi_objective_aggregation=aggregation
+    args = tiny_run_args(
+        tmp_path, TRAINING, max_steps=1, beta=0.0, reward_weights=[1.0, 0.5], multi_objective_aggregation=aggregation
     )
     model = build_tiny_model(tokenizer)
-    trainer = GRPOTrainer(
-        model, [id_sum_reward, length_reward], args, train_dataset=make_dataset(), processing_class=tokenizer
-    )
+    trainer = make_trainer(args, [id_sum_reward, length_reward], make_dataset(), tokenizer=tokenizer, model=model)
     seen = rollouts_of(trainer)
     trainer.train()
     (rollout,) = seen
@@ -143,9 +140,9 @@ def test_trainer_advantages_follow_the_aggregation(tmp_path, tokenizer, aggregat
 
 def test_aggregation_choice_is_checked(tmp_path, caplog):
     with pytest.raises(ValueError, match="multi_objective_aggregation='mean' is not one of"):
-        make_args(tmp_path, multi_objective_aggregation="mean")
+        tiny_run_args(tmp_path, TRAINING, multi_objective_aggregation="mean")
     with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
-        make_args(tmp_path, multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+        tiny_run_args(tmp_path, TRAINING, multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
     assert "scale_rewards='none' does not apply" in caplog.text
 
 
@@ -165,17 +162,10 @@ class RecordWeights(TrainerCallback):
 
 def test_reference_becomes_the_tr_dpo_mixture_every_n_steps(tmp_path, tokenizer):
     alpha = 0.6
-    args = make_args(tmp_path, max_steps=2, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=2, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)
     assert args.ref_model_mixup_alpha == alpha
     record = RecordWeights()
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer),
-        id_sum_reward,
-        args,
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
-        callbacks=[record],
-    )
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, callbacks=[record])
     record.trainer = trainer
     initial = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
     trainer.train()
@@ -192,9 +182,9 @@ def test_synced_reference_is_saved_with_the_run_state(tmp_path, tokenizer):
     """A checkpoint holds the mixed reference (process 0's run state), and resuming loads it back."""
     from grpo_hf import checkpoint
 
-    args = make_args(tmp_path, beta=0.04, sync_ref_model=True)
-    build = lambda: GRPOTrainer(  # noqa: E731
-        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
+    args = tiny_run_args(tmp_path, TRAINING, beta=0.04, sync_ref_model=True)
+    build = lambda: make_trainer(  # noqa: E731
+        args, id_sum_reward, make_dataset(), tokenizer=tokenizer
     )
     saved, resumed = build(), build()
     for p in saved.ref_model.parameters():
@@ -207,21 +197,21 @@ def test_synced_reference_is_saved_with_the_run_state(tmp_path, tokenizer):
 
 def test_sync_ref_model_errors(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="sync_ref_model=True with beta=0.0"):
-        make_args(tmp_path, sync_ref_model=True, beta=0.0)
+        tiny_run_args(tmp_path, TRAINING, sync_ref_model=True, beta=0.0)
     with pytest.raises(ValueError, match="ref_model_mixup_alpha=1.5"):
-        make_args(tmp_path, ref_model_mixup_alpha=1.5)
+        tiny_run_args(tmp_path, TRAINING, ref_model_mixup_alpha=1.5)
     with pytest.raises(ValueError, match="ref_model_sync_steps=0"):
-        make_args(tmp_path, ref_model_sync_steps=0)
+        tiny_run_args(tmp_path, TRAINING, ref_model_sync_steps=0)
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     with pytest.raises(NotImplementedError, match="sync_ref_model=True with a PEFT model"):
-        GRPOTrainer(
-            build_tiny_model(tokenizer),
+        make_trainer(
+            tiny_run_args(tmp_path, TRAINING, sync_ref_model=True),
             id_sum_reward,
-            make_args(tmp_path, sync_ref_model=True),
-            train_dataset=make_dataset(),
-            processing_class=tokenizer,
+            make_dataset(),
+            tokenizer=tokenizer,
+            model=build_tiny_model(tokenizer),
             peft_config=lora,
         )
 
@@ -230,14 +220,12 @@ def test_sync_ref_model_errors(tmp_path, tokenizer):
 # 3. pad_to_multiple_of and cast_lm_head_to_fp32
 # ---------------------------------------------------------------------------------------------------------------
 def test_pad_to_multiple_of_pads_the_rollout_and_leaves_the_loss(tmp_path, tokenizer):
-    assert make_args(tmp_path, pad_to_multiple_of="16").pad_to_multiple_of == 16  # the CLI passes text
-    assert make_args(tmp_path, pad_to_multiple_of="None").pad_to_multiple_of is None
+    assert tiny_run_args(tmp_path, TRAINING, pad_to_multiple_of="16").pad_to_multiple_of == 16  # the CLI passes text
+    assert tiny_run_args(tmp_path, TRAINING, pad_to_multiple_of="None").pad_to_multiple_of is None
     with pytest.raises(ValueError, match="pad_to_multiple_of=0"):
-        make_args(tmp_path, pad_to_multiple_of=0)
-    args = make_args(tmp_path, max_steps=1, beta=0.04, pad_to_multiple_of=16, share_prompt_prefix=False)
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
-    )
+        tiny_run_args(tmp_path, TRAINING, pad_to_multiple_of=0)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.04, pad_to_multiple_of=16, share_prompt_prefix=False)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer)
     seen = rollouts_of(trainer)
     trainer.train()
     (batch,) = trainer._buffer
@@ -293,9 +281,9 @@ def test_cast_lm_head_to_fp32_computes_fp32_logits(tokenizer):
 
 
 def test_cast_lm_head_to_fp32_in_the_trainer(tmp_path, tokenizer):
-    args = make_args(tmp_path, max_steps=1, beta=0.04, cast_lm_head_to_fp32=True)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.04, cast_lm_head_to_fp32=True)
     model = build_tiny_model(tokenizer).to(torch.bfloat16)
-    trainer = GRPOTrainer(model, id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=model)
     for m in (trainer.model, trainer.ref_model):
         assert isinstance(m.lm_head, FP32LMHead) and m.lm_head.weight.dtype == torch.float32
     before = trainer.model.lm_head.weight.detach().clone()
@@ -306,12 +294,12 @@ def test_cast_lm_head_to_fp32_in_the_trainer(tmp_path, tokenizer):
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs the LM head to be a torch.nn.Linear"):
-        GRPOTrainer(
-            build_tiny_model(tokenizer),
-            id_sum_reward,
+        make_trainer(
             args,
-            train_dataset=make_dataset(),
-            processing_class=tokenizer,
+            id_sum_reward,
+            make_dataset(),
+            tokenizer=tokenizer,
+            model=build_tiny_model(tokenizer),
             peft_config=lora,
         )
 
@@ -335,7 +323,7 @@ def test_trust_remote_code_reaches_every_from_pretrained(tmp_path, tokenizer, mo
             return _original(path, *args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", spy)
-    args = make_args(tmp_path / "out", beta=0.04, trust_remote_code=True)
+    args = tiny_run_args(tmp_path / "out", TRAINING, beta=0.04, trust_remote_code=True)
     trainer = GRPOTrainer(str(policy_dir), [id_sum_reward, str(reward_dir)], args, train_dataset=make_dataset())
     assert sorted(calls) == sorted(
         [
@@ -349,7 +337,12 @@ def test_trust_remote_code_reaches_every_from_pretrained(tmp_path, tokenizer, mo
     assert trainer.reward_processing_classes[0] is None
     assert trainer.reward_processing_classes[1].vocab_size == reward_tokenizer.vocab_size
     calls.clear()
-    GRPOTrainer(str(policy_dir), id_sum_reward, make_args(tmp_path / "out", beta=0.0), train_dataset=make_dataset())
+    GRPOTrainer(
+        str(policy_dir),
+        id_sum_reward,
+        tiny_run_args(tmp_path / "out", TRAINING, beta=0.0),
+        train_dataset=make_dataset(),
+    )
     assert {call[2] for call in calls} == {False}
 
 
@@ -375,10 +368,8 @@ def build_tiny_moe(tokenizer, seed=0) -> MixtralForCausalLM:
 
 def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     coef = 0.5
-    args = make_args(tmp_path, max_steps=1, beta=0.0, router_aux_loss_coef=coef)
-    trainer = GRPOTrainer(
-        build_tiny_moe(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
-    )
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.0, router_aux_loss_coef=coef)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=build_tiny_moe(tokenizer))
     assert trainer.router_aux_loss_coef == coef
     with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
@@ -401,38 +392,34 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
 
 def test_router_aux_loss_coef_defaults_and_errors(tmp_path, tokenizer):
     dataset = make_dataset()
-    moe = GRPOTrainer(
-        build_tiny_moe(tokenizer),
-        id_sum_reward,
-        make_args(tmp_path),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+    moe = make_trainer(
+        tiny_run_args(tmp_path, TRAINING), id_sum_reward, dataset, tokenizer=tokenizer, model=build_tiny_moe(tokenizer)
     )
     assert moe.router_aux_loss_coef == 0.001  # None: the model config's own coefficient (TRL)
-    off = GRPOTrainer(
-        build_tiny_moe(tokenizer),
+    off = make_trainer(
+        tiny_run_args(tmp_path, TRAINING, router_aux_loss_coef=0.0),
         id_sum_reward,
-        make_args(tmp_path, router_aux_loss_coef=0.0),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        dataset,
+        tokenizer=tokenizer,
+        model=build_tiny_moe(tokenizer),
     )
     assert off.router_aux_loss_coef == 0.0 and (off.logps.blocker(off.model) is None)
     assert moe.aux_loss_enabled and not off.aux_loss_enabled
-    dense = GRPOTrainer(
-        build_tiny_model(tokenizer),
+    dense = make_trainer(
+        tiny_run_args(tmp_path, TRAINING),
         id_sum_reward,
-        make_args(tmp_path),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        dataset,
+        tokenizer=tokenizer,
+        model=build_tiny_model(tokenizer),
     )
     assert dense.router_aux_loss_coef == 0.0
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.1 but LlamaForCausalLM is not a Mixture-of-Experts"):
-        GRPOTrainer(
-            build_tiny_model(tokenizer),
+        make_trainer(
+            tiny_run_args(tmp_path, TRAINING, router_aux_loss_coef=0.1),
             id_sum_reward,
-            make_args(tmp_path, router_aux_loss_coef=0.1),
-            train_dataset=dataset,
-            processing_class=tokenizer,
+            dataset,
+            tokenizer=tokenizer,
+            model=build_tiny_model(tokenizer),
         )
 
 
@@ -440,10 +427,8 @@ def test_end_of_training_row_repeats_the_last_steps_metrics(tmp_path, tokenizer)
     """TRL logs every 10 steps, so its end-of-training row holds the metrics not yet logged, and ported code reads
     `log_history[-1]["reward"]`. With grpo_hf's logging_steps=1 nothing is left unlogged there: the row repeats the
     last step's metrics. With metrics still unlogged (logging_steps=2, 3 steps), it holds their means, as TRL's."""
-    args = make_args(tmp_path, max_steps=3, beta=0.0)
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
-    )
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=3, beta=0.0)
+    trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer)
     trainer.train()
     *_, last, summary = trainer.state.log_history
     assert "train_runtime" in summary and "loss" in last and last["step"] == 3
@@ -452,10 +437,8 @@ def test_end_of_training_row_repeats_the_last_steps_metrics(tmp_path, tokenizer)
     }
     assert len(train_logs(trainer)) == 3  # counted once: the summary row has no "loss"
 
-    args = make_args(tmp_path / "every2", max_steps=3, beta=0.0, logging_steps=2)
-    every2 = GRPOTrainer(
-        build_tiny_model(tokenizer), id_sum_reward, args, train_dataset=make_dataset(), processing_class=tokenizer
-    )
+    args = tiny_run_args(tmp_path / "every2", TRAINING, max_steps=3, beta=0.0, logging_steps=2)
+    every2 = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer)
     every2.train()
     *_, logged, summary = every2.state.log_history
     assert logged["step"] == 2 and summary["num_tokens"] > logged["num_tokens"]  # step 3's own metrics
@@ -501,14 +484,8 @@ def test_compute_rewards_passes_log_callables_and_keeps_what_succeeded():
 
 
 def test_logged_metrics_and_columns_reach_the_logs(tmp_path, tokenizer):
-    args = make_args(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=1)
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer),
-        [logging_reward, plain_reward],
-        args,
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
-    )
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, log_completions=True, num_completions_to_print=1)
+    trainer = make_trainer(args, [logging_reward, plain_reward], make_dataset(), tokenizer=tokenizer)
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["length"] == len(row["completion"]) for row in rows)
@@ -524,23 +501,23 @@ def test_logged_metrics_and_columns_reach_the_logs(tmp_path, tokenizer):
 def test_reward_processing_classes_attribute_and_trls_error(tmp_path, tokenizer):
     reward_tokenizer = build_reward_tokenizer()
     reward_model = build_reward_model(len(reward_tokenizer))
-    args, dataset = make_args(tmp_path), make_dataset()
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer),
-        [id_sum_reward, reward_model],
+    args, dataset = tiny_run_args(tmp_path, TRAINING), make_dataset()
+    trainer = make_trainer(
         args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        [id_sum_reward, reward_model],
+        dataset,
+        tokenizer=tokenizer,
+        model=build_tiny_model(tokenizer),
         reward_processing_classes=[None, reward_tokenizer],
     )
     assert trainer.reward_processing_classes == [None, reward_tokenizer]
     with pytest.raises(ValueError) as error:
-        GRPOTrainer(
-            build_tiny_model(tokenizer),
-            [id_sum_reward, reward_model],
+        make_trainer(
             args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
+            [id_sum_reward, reward_model],
+            dataset,
+            tokenizer=tokenizer,
+            model=build_tiny_model(tokenizer),
             reward_processing_classes=[reward_tokenizer],
         )
     assert (
@@ -578,13 +555,13 @@ def test_rollout_func_replaces_the_engine(tmp_path, tokenizer):
         seen.append((kwargs["source"], kwargs["round"], kwargs["answer"]))
         return [float(len(ids)) for ids in completion_ids]
 
-    args = make_args(tmp_path, max_steps=1, mask_truncated_completions=True)
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer),
-        reward,
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, mask_truncated_completions=True)
+    trainer = make_trainer(
         args,
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        reward,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=build_tiny_model(tokenizer),
         rollout_func=make_rollout_func(tokenizer, calls),
     )
     trainer.train()
@@ -622,13 +599,13 @@ def test_rollout_func_contract_errors(tmp_path, tokenizer, broken, message):
         broken(out)
         return out
 
-    args = make_args(tmp_path, max_steps=1)
-    trainer = GRPOTrainer(
-        build_tiny_model(tokenizer),
-        id_sum_reward,
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1)
+    trainer = make_trainer(
         args,
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
+        id_sum_reward,
+        make_dataset(),
+        tokenizer=tokenizer,
+        model=build_tiny_model(tokenizer),
         rollout_func=rollout_func,
     )
     with pytest.raises(ValueError, match=message):

@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import build_tiny_model
-from test_trainer import id_sum_reward, make_args, make_dataset, train_logs
+from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, tiny_run_args, train_logs
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.logprobs import padded_logps
@@ -34,7 +33,7 @@ def test_a_given_peft_model_is_its_own_reference_frozen(tmp_path, tokenizer):
     model. The first step's KL is 0, its reference log-probs are the given PeftModel's, and the copy stays put."""
     model = trained_adapter(tokenizer)
     given = copy.deepcopy(model).eval()
-    args = make_args(tmp_path, max_steps=2, beta=0.1)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=2, beta=0.1)
     trainer = GRPOTrainer(model, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
     assert (
         set(trainer.model.peft_config) == {"default", REFERENCE_ADAPTER} and trainer.model.active_adapter == "default"
@@ -66,7 +65,7 @@ def test_a_new_adapter_keeps_the_base_model_as_reference(tmp_path, tokenizer):
     from peft import LoraConfig
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    args = make_args(tmp_path, max_steps=1, beta=0.1)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.1)
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer),
         id_sum_reward,
@@ -118,8 +117,13 @@ def test_log_completions_writes_trls_files_in_training_and_evaluation(tmp_path, 
             uploads.append((path_in_repo, repo_id, repo_type, pd.read_parquet(path_or_fileobj).shape))
 
     monkeypatch.setattr("huggingface_hub.HfApi", StandInApi)
-    args = make_args(
-        tmp_path, max_steps=2, log_completions=True, log_unique_prompts=True, log_completions_hub_repo="me/logs"
+    args = tiny_run_args(
+        tmp_path,
+        TRAINING,
+        max_steps=2,
+        log_completions=True,
+        log_unique_prompts=True,
+        log_completions_hub_repo="me/logs",
     )
     args.eval_strategy, args.eval_steps = "steps", 2
     trainer = GRPOTrainer(
@@ -155,10 +159,10 @@ def test_quantization_config_loads_the_model_quantized_or_says_what_is_missing(t
     build_tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     qlora = BitsAndBytesConfig(load_in_4bit=True)
-    args = make_args(tmp_path / "out", max_steps=1)
+    args = tiny_run_args(tmp_path / "out", TRAINING, max_steps=1)
     with pytest.raises(ImportError, match="needs the bitsandbytes package"):
         GRPOTrainer(str(path), id_sum_reward, args, make_dataset(), quantization_config=qlora)
-    both = make_args(tmp_path / "out", max_steps=1, model_init_kwargs={"quantization_config": qlora})
+    both = tiny_run_args(tmp_path / "out", TRAINING, max_steps=1, model_init_kwargs={"quantization_config": qlora})
     with pytest.raises(ValueError, match="set both as a trainer argument and in model_init_kwargs"):
         GRPOTrainer(str(path), id_sum_reward, both, make_dataset(), quantization_config=qlora)
     seen = {}
@@ -190,7 +194,7 @@ def test_a_reward_model_path_loads_with_model_init_kwargs(tmp_path, tokenizer):
     reward_tokenizer = build_reward_tokenizer()
     build_reward_model(len(reward_tokenizer)).save_pretrained(reward_dir)
     reward_tokenizer.save_pretrained(reward_dir)
-    args = make_args(tmp_path / "out", max_steps=1, beta=0.0, model_init_kwargs={"dtype": "bfloat16"})
+    args = tiny_run_args(tmp_path / "out", TRAINING, max_steps=1, beta=0.0, model_init_kwargs={"dtype": "bfloat16"})
     trainer = GRPOTrainer(
         build_tiny_model(tokenizer), [id_sum_reward, str(reward_dir)], args, make_dataset(), processing_class=tokenizer
     )

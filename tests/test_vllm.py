@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import build_tiny_model, build_tiny_tokenizer, make_trainer, tiny_run_args
 from datasets import Dataset
 from test_fast_paths import assert_draws_follow_the_model
 from transformers import GenerationConfig
@@ -23,37 +23,42 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["Hi", "A longer prompt here", "2+2=", "The quick brown fox"]
 
 
-def _trainer(tmp_path, tokenizer, peft_config=None, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=3e-3,
-        beta=0.0,
-        use_vllm=True,
-        vllm_mode="colocate",
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-    )
-    args = GRPOConfig(**{**settings, **overrides})
+COLOCATED = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=3,
+    learning_rate=3e-3,
+    beta=0.0,
+    use_vllm=True,
+    vllm_mode="colocate",
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+)
+"""Three CPU steps of two groups of 4, sampled by vLLM in this process."""
+VLLM_MODEL = dict(hidden_size=128, seed=3, tied=True)  # head_dim 32 (vLLM's CPU attention), tied as SmolLM2's
+
+
+def distinct_tokens_reward(completion_ids, **kwargs):
+    """Favours completions with many distinct tokens: a signal in every group."""
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def colocated_trainer(output_dir, tokenizer, peft_config=None, **overrides):
+    """`COLOCATED` on the prompts twice, the tiny model of `VLLM_MODEL`."""
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
-
-    def reward(completion_ids, **kwargs):  # favours completions with many distinct tokens: a signal in every group
-        return [float(len(set(ids))) for ids in completion_ids]
-
-    # head_dim 32 (vLLM's CPU attention), lm_head tied to the embeddings as in SmolLM2 and Qwen2.5-0.5B
-    model = build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True)
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    model = build_tiny_model(tokenizer, **VLLM_MODEL)
+    args = tiny_run_args(output_dir, COLOCATED, **overrides)
+    return make_trainer(
+        args, distinct_tokens_reward, dataset, tokenizer=tokenizer, model=model, peft_config=peft_config
+    )
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tokenizer):
     """A GRPOTrainer with use_vllm=True after 3 optimizer steps, with the weights it started from."""
-    trainer = _trainer(tmp_path_factory.mktemp("vllm"), tokenizer)
+    trainer = colocated_trainer(tmp_path_factory.mktemp("vllm"), tokenizer)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters(remove_duplicate=False)}
     trainer.train()
     return trainer, initial
@@ -155,7 +160,7 @@ def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, t
     peft_config = LoraConfig(
         r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
     )
-    trainer = _sharing(_trainer(tmp_path, tokenizer, peft_config=peft_config, max_steps=2), engine)
+    trainer = _sharing(colocated_trainer(tmp_path, tokenizer, peft_config=peft_config, max_steps=2), engine)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     trainer.train()
     model = trainer.model.eval()
@@ -231,7 +236,9 @@ def test_resuming_from_a_checkpoint_re_syncs_the_engine(trained, tokenizer, tmp_
     """`train(resume_from_checkpoint=...)` on a trainer whose engine holds later weights: the engine is re-synced to
     the checkpoint's before the first resumed rollout, so vLLM's log-probs are the trainer's (< 1e-4)."""
     engine = trained[0].rollout
-    trainer = _sharing(_trainer(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1), engine)
+    trainer = _sharing(
+        colocated_trainer(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1), engine
+    )
     trainer.train()
     _greedy(engine, trainer.model.eval(), tokenizer)  # the engine now holds step 2's weights, marked fresh
     assert not engine.stale

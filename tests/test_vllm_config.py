@@ -2,10 +2,11 @@
 settings that are refused with a message. No vLLM needed."""
 
 import dataclasses
+from functools import partial
 
 import pytest
+from conftest import tiny_run_args
 
-from grpo_hf import GRPOConfig
 from grpo_hf.rollout.vllm_engine import VLLMEngine
 from grpo_hf.vllm_config import VLLMArguments
 
@@ -14,8 +15,7 @@ trl = pytest.importorskip("trl")
 OURS_ONLY = {"vllm_cpu_kvcache_space", "vllm_kwargs", "vllm_server_weights_dir"}
 
 
-def _config(tmp_path, **overrides):
-    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
+_config = partial(tiny_run_args, preset=dict(use_cpu=True))  # GRPOConfig(output_dir, **overrides) on the CPU
 
 
 def test_the_vllm_fields_have_trls_names_and_defaults():

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_run_args
 from transformers import GenerationConfig
 
-from grpo_hf import GRPOConfig
 from grpo_hf.rollout.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.vllm
@@ -99,15 +98,15 @@ def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_row
         assert result["sharded"] == (layout == "fsdp2")
 
 
-def _args(tmp_path, url, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
-    return GRPOConfig(**{**settings, "use_cpu": True, "report_to": "none", **overrides})
+SERVER_MODE = dict(use_vllm=True, vllm_mode="server", use_cpu=True)
 
 
 def test_no_server_fails_within_the_timeout_and_says_what_to_check(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    args = tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=2)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="No vLLM server answered at http://127.0.0.1:.*python -m grpo_hf"):
-        VLLMServer(_args(tmp_path, f"http://127.0.0.1:{free_port()}", vllm_server_timeout=2), None, [2])
+        VLLMServer(args, None, [2])
     assert time.monotonic() - start < 30
 
 
@@ -155,10 +154,10 @@ def test_an_old_vllm_and_a_server_without_dev_routes_are_refused(tmp_path, fake_
     handler, url = fake_server
     handler.version = "0.10.2"
     with pytest.raises(RuntimeError, match="runs vLLM 0.10.2; grpo_hf's server mode needs vLLM >= 0.32"):
-        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+        VLLMServer(tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=5), None, [2])
     handler.version, handler.dev_mode = "0.32.0", False
     with pytest.raises(RuntimeError, match="no development routes.*VLLM_SERVER_DEV_MODE=1"):
-        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+        VLLMServer(tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=5), None, [2])
 
 
 def test_trls_own_server_is_used_with_weights_as_files(tmp_path, fake_server, caplog):
@@ -167,19 +166,27 @@ def test_trls_own_server_is_used_with_weights_as_files(tmp_path, fake_server, ca
     handler, url = fake_server
     handler.trl = True
     with caplog.at_level("INFO", logger="grpo_hf"):
-        client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=5, vllm_group_port=51299), None, [2])
+        client = VLLMServer(
+            tiny_run_args(
+                tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=5, vllm_group_port=51299
+            ),
+            None,
+            [2],
+        )
     assert client.model_id == "m"
     assert "TRL's `trl vllm-serve`" in caplog.text and "vllm_group_port=51299" in caplog.text
     handler.trl = False
     caplog.clear()
     with caplog.at_level("INFO", logger="grpo_hf"):
-        VLLMServer(_args(tmp_path, url, vllm_server_timeout=5), None, [2])
+        VLLMServer(tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=5), None, [2])
     assert "trl vllm-serve" not in caplog.text
 
 
 def test_a_request_that_times_out_says_so(tmp_path, fake_server):
     _, url = fake_server
-    client = VLLMServer(_args(tmp_path, url, vllm_server_timeout=1), None, [2])
+    client = VLLMServer(
+        tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_server_timeout=1), None, [2]
+    )
     start = time.monotonic()
     settings = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=4)
     with pytest.raises(ConnectionError, match="No answer from the vLLM server .*/v1/completions within 1 s"):
@@ -195,7 +202,7 @@ def test_structured_outputs_regex_reaches_the_server(tmp_path, server, tokenizer
 
     url, _ = server
     regex = "[0-9]{2,4}"
-    args = _args(tmp_path, url, vllm_structured_outputs_regex=regex)
+    args = tiny_run_args(tmp_path, SERVER_MODE, vllm_server_base_url=url, vllm_structured_outputs_regex=regex)
     config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
     engine = VLLMEngine(config, [tokenizer.eos_token_id], args=args)
     engine.stale = False  # the served weights are the model's own: nothing to push

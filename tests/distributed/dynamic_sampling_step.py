@@ -20,9 +20,9 @@ from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown  # noqa: E402
+from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf import GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
 
 GLOBAL_BATCH, G, T = 16, 4, 6
@@ -51,11 +51,8 @@ def reward(prompts, completion_ids, kind, **kwargs):
 
 def build_trainer(out_dir: str, max_rounds: int, kinds: list[str], world_size: int = 1, **overrides) -> GRPOTrainer:
     register_engine("prompt_copy", PromptCopyEngine)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=5)
     dataset = Dataset.from_dict({"prompt": [f"Prompt {i} {k}" for i, k in enumerate(kinds)], "kind": kinds})
     settings = dict(
-        output_dir=out_dir,
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
         num_generations=G,
         max_completion_length=T,
@@ -69,14 +66,12 @@ def build_trainer(out_dir: str, max_rounds: int, kinds: list[str], world_size: i
         dynamic_sampling_max_rounds=max_rounds,
         log_completions=True,
         use_cpu=True,
-        report_to="none",
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
         rollout_engine="prompt_copy",
     )
-    args = GRPOConfig(**{**settings, **overrides})
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    return make_trainer(tiny_run_args(out_dir, settings, **overrides), reward, dataset, model_seed=5)
 
 
 def main(out_path: str, max_rounds: int) -> None:

@@ -15,10 +15,8 @@ from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from conftest import make_trainer, tiny_run_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -34,9 +32,9 @@ def main(output_dir: str, mode: str) -> None:
 
     num_prompts = 8 if (mode == "short_shard" and RANK == 1) else 12
     dataset = Dataset.from_dict({"prompt": [f"Prompt {i}" for i in range(num_prompts)]})
-    tokenizer = build_tiny_tokenizer()
-    args = GRPOConfig(
-        output_dir=output_dir,
+    args = tiny_run_args(
+        output_dir,
+        {},
         per_device_train_batch_size=2,
         num_generations=4,
         max_completion_length=4,
@@ -46,11 +44,10 @@ def main(output_dir: str, mode: str) -> None:
         reward_timeout=5 if mode == "reward_times_out" else None,
         ddp_timeout=60,
         use_cpu=True,
-        report_to="none",
         disable_tqdm=True,
         seed=0,
     )
-    trainer = GRPOTrainer(build_tiny_model(tokenizer), reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = make_trainer(args, reward, dataset)
     if mode == "sigkill" and RANK == 1:
 
         class Die(TrainerCallback):

@@ -20,9 +20,9 @@ from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown  # noqa: E402
+from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf import GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
 
 GLOBAL_BATCH, G, T = 8, 8, 6
@@ -47,10 +47,10 @@ def fixed_completions(prompt_ids, T: int, eos_token_id: int):
     return completion_ids.to(prompt_ids.device)
 
 
-def step_settings(out_path: str, G: int, T: int) -> dict:
-    """The settings every layout of these one-step runs shares (SGD, one step, no shuffling, CPU)."""
+def step_settings(G: int, T: int) -> dict:
+    """The settings every layout of these one-step runs shares (SGD, one step, no shuffling, CPU): a preset of
+    `tiny_run_args`, whose output directory is `run_dir(out_path)`."""
     return dict(
-        output_dir=str(Path(out_path).parent / "run"),
         num_generations=G,
         max_completion_length=T,
         max_steps=1,
@@ -58,11 +58,15 @@ def step_settings(out_path: str, G: int, T: int) -> dict:
         beta=0.04,
         shuffle_dataset=False,
         use_cpu=True,
-        report_to="none",
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
     )
+
+
+def run_dir(out_path: str) -> Path:
+    """The output directory of the run that writes its step to `out_path`."""
+    return Path(out_path).parent / "run"
 
 
 def save_step(trainer, out_path: str, **extra) -> None:
@@ -81,8 +85,6 @@ def save_step(trainer, out_path: str, **extra) -> None:
 def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTrainer:
     """The tiny model, 4 prompts and fixed rollouts (`FixedEngine`), with one step of this layout's `settings`."""
     register_engine("fixed", FixedEngine)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=5)
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
     if stream:
         dataset = dataset.to_iterable_dataset()
@@ -90,8 +92,8 @@ def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTraine
     def reward(completion_ids, **kwargs):
         return [float(sum(ids) % 11) for ids in completion_ids]
 
-    args = GRPOConfig(**{**step_settings(out_path, G, T), "rollout_engine": "fixed", **settings})
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    args = tiny_run_args(run_dir(out_path), step_settings(G, T), rollout_engine="fixed", **settings)
+    return make_trainer(args, reward, dataset, model_seed=5)
 
 
 def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: bool = False) -> None:

@@ -31,9 +31,9 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown  # noqa: E402
+from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_hf import GRPOTrainer  # noqa: E402
 
 STEPS, G = 3, 4
 CASES = {  # name -> settings; every case runs under DDP and FSDP2
@@ -131,15 +131,12 @@ def build_trainer(run_dir: Path, lora: bool = False, **settings) -> GRPOTrainer:
     AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator (DDP or FSDP2) per trainer
     GradientState._reset_state()
     os.environ.pop("ACCELERATE_USE_FSDP", None)  # an Accelerator given an FSDP plugin sets it, for every later one
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=5)
     peft_config = None
     if lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     common = dict(
-        output_dir=str(run_dir),
         num_generations=G,
         per_device_train_batch_size=G,  # one group per process
         max_completion_length=6,
@@ -147,15 +144,14 @@ def build_trainer(run_dir: Path, lora: bool = False, **settings) -> GRPOTrainer:
         learning_rate=3e-2,
         shuffle_dataset=False,
         use_cpu=True,
-        report_to="none",
         save_strategy="no",
         disable_tqdm=True,
         logging_steps=1,
         seed=0,
     )
-    args = GRPOConfig(**{**common, **settings})
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(6)]})
-    return GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    args = tiny_run_args(run_dir, common, **settings)
+    return make_trainer(args, reward, dataset, model_seed=5, peft_config=peft_config)
 
 
 def count_generation_gathers(trainer: GRPOTrainer) -> list[int]:

@@ -21,9 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's helpers
 
-from conftest import exit_without_teardown  # noqa: E402
+from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_hf.parallel import fsdp2_gathered  # noqa: E402
 from grpo_hf.rollout import tokenize_prompts  # noqa: E402
 
@@ -38,8 +37,9 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
         sharding = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    args = GRPOConfig(
-        output_dir=f"{prefix}-out",
+    args = tiny_run_args(
+        f"{prefix}-out",
+        {},
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
@@ -51,14 +51,13 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
         vllm_server_base_url=base_url,
         vllm_server_timeout=60,
         use_cpu=True,
-        report_to="none",
         save_strategy="no",
         seed=0,
         **sharding,
     )
     dataset = Dataset.from_dict({"prompt": ["Hi", "2+2=", "abc", "The fox"] * 2})
     reward = lambda completion_ids, **kw: [float(len(set(ids))) for ids in completion_ids]  # noqa: E731
-    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model)
     trainer.train()
 
     rank = trainer.accelerator.process_index

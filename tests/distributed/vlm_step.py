@@ -17,11 +17,10 @@ from datasets import Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the builders
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # grpo_step's fixed rollouts and settings
 
-from conftest import exit_without_teardown  # noqa: E402
-from grpo_step import fixed_completions, save_step, step_settings  # noqa: E402
+from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
+from grpo_step import fixed_completions, run_dir, save_step, step_settings  # noqa: E402
 from tiny_vlm import image, tiny_qwen2_vl  # noqa: E402
 
-from grpo_hf import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
 
 GLOBAL_BATCH, G, T = 8, 4, 5
@@ -49,14 +48,15 @@ def main(out_path: str) -> None:
     def reward(completion_ids, **kwargs):
         return [float(sum(ids) % 11) for ids in completion_ids]
 
-    args = GRPOConfig(
-        **step_settings(out_path, G, T),
+    args = tiny_run_args(
+        run_dir(out_path),
+        step_settings(G, T),
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
         learning_rate=100.0,
         max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
         rollout_engine="fixed_images",
     )
-    trainer = GRPOTrainer(model, reward, args, train_dataset=dataset, processing_class=processor)
+    trainer = make_trainer(args, reward, dataset, tokenizer=processor, model=model)
     trainer.train()
     save_step(trainer, out_path)
 
