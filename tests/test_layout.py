@@ -144,6 +144,7 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         ("grpo_hf.paths", set()),
         ("grpo_hf.peft_utils", set()),
         ("grpo_hf.background", set()),  # the process's event loop for async rewards and tools
+        ("grpo_hf.values", set()),  # `as_dict` and `with_article`, for the config and the input checks alike
         # `vision` (a VLM's per-row image inputs, the forward's vision arguments, its image tokens): torch and
         # transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.vision", set()),
@@ -188,3 +189,59 @@ def test_the_layout_check_sees_imports():
     wired = {"grpo_hf.experience", "grpo_hf.logprobs", "grpo_hf.core", "grpo_hf.checkpoint"}
     assert wired <= IMPORTS["grpo_hf.trainer"]
     assert "grpo_hf.core" in IMPORTS["grpo_hf.logprobs"] and "grpo_hf.trainer" not in IMPORTS["grpo_hf.experience"]
+
+
+# ---- settings: checked once, when the config is built, and read by the step as frozen objects -----------------------
+def reads_of_args(source: str) -> list[str]:
+    """Each `args.<name>` attribute read or write (`args` itself or `self.args`) in `source`."""
+    return sorted(
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("args", "self.args")
+    )
+
+
+def writes_to_args(source: str) -> list[str]:
+    """Each assignment to an attribute of `args` / `self.args` (`args.x.y = ...` too), and `setattr(args, ...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            text = ast.unparse(target)
+            if isinstance(target, ast.Attribute) and text.startswith(("args.", "self.args.")):
+                found.append(text)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+            if ast.unparse(node.args[0]) in ("args", "self.args"):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_config_and_validation_import_nothing_of_each_other():
+    assert "grpo_hf.config" not in ALL_IMPORTS["grpo_hf.validation"]
+    assert "grpo_hf.validation" not in ALL_IMPORTS["grpo_hf.config"]
+
+
+@pytest.mark.parametrize("module", ["grpo_hf.objective", "grpo_hf.logprobs"])
+def test_the_loss_and_the_log_probs_read_frozen_settings_not_the_config(module):
+    assert reads_of_args(MODULES[module].read_text()) == []
+
+
+def test_nothing_edits_the_config_after_it_is_built():
+    edits = {
+        name: found
+        for name, path in MODULES.items()
+        if name not in ("grpo_hf.config", "grpo_hf.vllm_config") and (found := writes_to_args(path.read_text()))
+    }
+    assert edits == {}
+
+
+def test_the_settings_checks_see_reads_and_edits():
+    assert reads_of_args("x = self.args.beta\ny = args.loss_settings()") == ["args.loss_settings", "self.args.beta"]
+    source = "args.accelerator_config.dispatch_batches = False\nsetattr(args, 'x', 1)\nself.args.beta += 1"
+    assert sorted(writes_to_args(source)) == [
+        "args.accelerator_config.dispatch_batches",
+        "self.args.beta",
+        "setattr(args, 'x', 1)",
+    ]
