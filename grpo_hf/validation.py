@@ -9,7 +9,7 @@ What is checked when:
      name), and none undoes what GRPO relies on (sampling, one completion per row, the config's temperature and
      max_completion_length, which the log-probs and the loss use).
   2. `models.build_models`: `check_local_path` (a string that can only be a local path and does not exist is
-     reported as a missing path, not as an unreachable Hub) and `check_processing_class`.
+     reported as a missing path, not as an unreachable Hub) and `models.check_processing_class`.
   3. `check_policy_model`: a decoder-only causal LM whose vocabulary covers the tokenizer, a pad token, and
      trainable parameters (or adapters from `peft_config`).
   4. `check_datasets`: each dataset (train, eval, each split of a dict of eval datasets) is map-style
@@ -20,7 +20,7 @@ What is checked when:
      them; and, only where left-truncation to `max_prompt_length` does not already keep prompt + completion within
      the model's positions, the token length of the longest prompts (`_check_prompt_lengths`). Large datasets are
      sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
-  5. `rewards.models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
+  5. `rewards.reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
      `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
      argument it requires.
   6. the number of `reward_weights`; `checkpoint.check_writable(output_dir)`; after `Trainer.__init__`, the EOS
@@ -34,7 +34,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import os
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,7 +61,6 @@ __all__ = [
     "check_generation_kwargs",
     "check_local_path",
     "check_policy_model",
-    "check_processing_class",
     "check_reward_funcs",
     "check_reward_weights",
     "looks_like_local_path",
@@ -110,20 +108,6 @@ def check_generation_kwargs(kwargs: Mapping[str, Any], args) -> None:
         raise ValueError(
             f"generation_kwargs['num_return_sequences']={kwargs['num_return_sequences']!r}: the trainer samples one "
             "completion per row and repeats each prompt num_generations times. Set num_generations instead."
-        )
-
-
-def check_processing_class(processing_class: Any) -> None:
-    """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        raise TypeError(
-            f"processing_class={processing_class!r} is a path; pass the tokenizer itself: "
-            "processing_class=AutoTokenizer.from_pretrained(path), or None to load the model's own."
-        )
-    if not (callable(processing_class) and hasattr(processing_class, "batch_decode")):
-        raise TypeError(
-            f"processing_class is {_a(type(processing_class).__name__)}, not a tokenizer: pass a "
-            "transformers tokenizer (AutoTokenizer.from_pretrained(...)), or None to load the model's own."
         )
 
 

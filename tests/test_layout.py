@@ -147,7 +147,7 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # `vision` (a VLM's per-row image inputs, the forward's vision arguments, its image tokens): torch and
         # transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.vision", set()),
-        # rewards: reward models (rewards/models.py) check their paths with `paths`
+        # rewards: reward models (rewards/reward_models.py) check their paths with `paths`
         ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths", *LEAVES}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
         # server engine stops every process together with its `stop_together`
@@ -164,6 +164,11 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
             },
         ),
         ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision"}),
+        # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
+        # module: not validation, experience, objective, rollout or rewards); `heads`: the fp32 LM head, the MoE
+        # router's loss weight
+        ("grpo_hf.models", {"grpo_hf.paths", "grpo_hf.peft_utils", "grpo_hf.vision"}),
+        ("grpo_hf.heads", {"grpo_hf.peft_utils"}),
     ],
 )
 def test_lower_layers_import_only_what_is_below_them(layer, allowed):
