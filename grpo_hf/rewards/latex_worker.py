@@ -80,8 +80,8 @@ def serve(judge: Judge, lines: Iterable[str], out: TextIO) -> None:
 def main() -> None:
     # Run by path, Python puts this file's directory (grpo_hf/rewards) first on sys.path, where `code.py` would stand
     # in for the standard library's `code`: it comes off before anything else is imported.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [path for path in sys.path if os.path.abspath(path) != here]
+    here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [path for path in sys.path if os.path.realpath(path) != here]
     split_off_worker()
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
