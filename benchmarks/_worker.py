@@ -147,12 +147,12 @@ def grpo_hf_only_config() -> dict:
 def build_trainer(impl: str, config: str, steps: int, seed: int, bf16: bool, output_dir: str, extra: dict):
     import torch
 
-    # the recipe's built-in arithmetic problems (recipes/gsm8k_support/data.py)
+    # the recipes' arithmetic problems (recipes/gsm8k_support/data.py) and offline model (recipes/offline_model.py)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-    from grpo_hf.models import offline_model_path
     from grpo_hf.rewards import accuracy_reward, gsm8k_format_reward
 
     from gsm8k_support.data import make_arithmetic_dataset, to_conversational
+    from offline_model import offline_model_path
 
     use_cpu = not torch.cuda.is_available()
     kwargs = common_config(config, steps, seed, bf16, use_cpu, output_dir)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _worker: the shared config
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the built-in arithmetic prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the arithmetic prompts, the offline model
 
 TOOL_SECONDS = 0.2
 SYSTEM_PROMPT = (
@@ -73,9 +73,10 @@ def build_trainer(impl: str, steps: int, seed: int, output_dir: str):
     import trl
     from _worker import common_config, grpo_hf_only_config, trl_only_config
 
-    from grpo_hf.models import load_tokenizer, offline_model_path
+    from grpo_hf.models import load_tokenizer
 
     from gsm8k_support.data import make_arithmetic_dataset, to_conversational
+    from offline_model import offline_model_path
 
     kwargs = common_config("c", steps, seed, False, not torch.cuda.is_available(), output_dir)  # beta=0, mu=1
     kwargs.update(max_completion_length=MAX_COMPLETION_LENGTH, reward_weights=[1.0], max_tool_calling_iterations=1)

@@ -35,13 +35,14 @@ from grpo_hf.config import GRPOConfig, config_or_default
 from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
+from grpo_hf.heads import cast_lm_head_to_fp32, router_aux_loss_coef
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
-from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef, tokenizer_of
+from grpo_hf.models import build_models, tokenizer_of
 from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.rewards.models import reward_processing_classes_of, reward_sources
+from grpo_hf.rewards.reward_models import reward_processing_classes_of, reward_sources
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
 from grpo_hf.tooling import train_rows
@@ -132,7 +133,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- construction helpers --------------------------------------------------------------------------------
     def _init_rewards(self, reward_funcs, reward_processing_classes, args: GRPOConfig, columns: dict) -> None:
-        """The reward functions, their names and weights [R] (`rewards.models.reward_sources`): `reward_funcs`, then
+        """The reward functions, their names and weights [R] (`reward_models.reward_sources`): `reward_funcs`, then
         the reward of each environment that owns one."""
         owned, added = (self.agentic.reward_funcs(), ["environments"]) if self.agentic is not None else ([], [])
         funcs, names, weights = reward_sources(reward_funcs, reward_processing_classes, args, owned)

@@ -7,7 +7,7 @@ What is checked when:
 
 - `GRPOTrainer(...)`, in this order, before anything is generated:
   1. `models.build_models`: `check_local_path` (a string that can only be a local path and does not exist is
-     reported as a missing path, not as an unreachable Hub) and `check_processing_class`.
+     reported as a missing path, not as an unreachable Hub) and `models.check_processing_class`.
   2. `check_inputs`, the entry point for the model and the data:
      - `check_policy_model`: a decoder-only causal LM (or an image-text-to-text model) whose vocabulary covers the
        tokenizer, a pad token, and trainable parameters (or adapters from `peft_config`);
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,7 +58,6 @@ __all__ = [
     "check_inputs",
     "check_local_path",
     "check_policy_model",
-    "check_processing_class",
     "check_reward_funcs",
     "looks_like_local_path",
     "model_max_positions",
@@ -87,20 +85,6 @@ def check_inputs(
 
 
 # ---- models ----------------------------------------------------------------------------------------------------
-def check_processing_class(processing_class: Any) -> None:
-    """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        raise TypeError(
-            f"processing_class={processing_class!r} is a path; pass the tokenizer itself: "
-            "processing_class=AutoTokenizer.from_pretrained(path), or None to load the model's own."
-        )
-    if not (callable(processing_class) and hasattr(processing_class, "batch_decode")):
-        raise TypeError(
-            f"processing_class is {_a(type(processing_class).__name__)}, not a tokenizer: pass a "
-            "transformers tokenizer (AutoTokenizer.from_pretrained(...)), or None to load the model's own."
-        )
-
-
 def model_max_positions(model) -> int | None:
     """The longest sequence the policy's positions cover (`max_position_embeddings` / `n_positions`), or None."""
     config = getattr(base_model(model), "config", None)
