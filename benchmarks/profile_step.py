@@ -1,8 +1,8 @@
 """Where one grpo_hf optimizer step spends its time: generation, rewards, no-grad log-probs, loss forward/backward.
 
-Builds the trainer of `benchmarks/vs_trl.py` (same model, data and knobs: `_worker.build_trainer`), wraps the phases
-of a step with wall-clock timers, trains `--steps` steps and prints the seconds per step of each phase, the first
-step excluded. Phases:
+Builds the trainer of a `benchmarks/vs_trl.py` config (same model, data and knobs: `_worker.build_trainer`), wraps the
+phases of a step with wall-clock timers (the device synchronised), trains `--steps` steps and prints the seconds per
+step of each phase, the first step excluded. Phases:
 
 - `generate`: sampling the completions (the rollout engine's `generate`);
 - `rewards`: the reward functions;
@@ -13,6 +13,7 @@ step excluded. Phases:
 
     python benchmarks/profile_step.py                  # config a: beta=0.04, num_iterations=1
     python benchmarks/profile_step.py --config c --extra '{"share_prompt_prefix": false}'
+    python benchmarks/profile_step.py --device cuda --config J1
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import _worker  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(_worker.CONFIGS), default="a")
+    parser.add_argument("--config", choices=list(_worker.CONFIGS), default="a")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tiny", action="store_true", help="A tiny random model, G=2, 1/16 of the tokens.")
     parser.add_argument("--steps", type=int, default=4, help="Optimizer steps, the first untimed (default 4).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (always on with CUDA).")
@@ -99,12 +102,14 @@ def main() -> None:
             step["total"] = total
             phases.append(step)
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     extra = json.loads(args.extra)
     print(f"# profile_step: config {args.config}, {device}, {args.steps} steps, extra {extra}", flush=True)
     with tempfile.TemporaryDirectory() as output_dir:
-        bf16 = args.bf16 or torch.cuda.is_available()
-        trainer = _worker.build_trainer("grpo_hf", args.config, args.steps, args.seed, bf16, output_dir, extra)
+        options = dict(bf16=args.bf16 or args.device == "cuda", tiny=args.tiny)
+        trainer = _worker.build_trainer(
+            "grpo_hf", args.config, args.steps, args.seed, args.device, output_dir, extra, **options
+        )
         trainer.add_callback(StepTimer())
         trainer.train()
 
