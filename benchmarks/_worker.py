@@ -5,7 +5,8 @@ trainer's memory high-water mark, allocator, compiled kernels or CUDA graphs rea
 `--steps` optimizer steps and writes one JSON record to `--out` (`--out`.RANK under `torch.distributed.run`), after
 every step: `step_seconds` (Trainer's `on_step_begin` -> `on_step_end`, the device synchronised); per step the time
 inside generation and its decode steps (`generate_seconds`, `decode_steps`: grpo_hf's `RolloutEngine.generate`, TRL's
-`model.generate`, prefill included); the logged `rewards`, `mean_length`, `completion_tokens` and `tool_calls`;
+`model.generate`, prefill included) and, for grpo_hf, in its rewards, no-grad log-probs and `training_step`
+(`phases`); the logged `rewards`, `mean_length`, `completion_tokens` and `tool_calls`;
 `rss_start_mib` (before the model), `peak_rss_mib`; on CUDA `peak_cuda_mib` / `peak_cuda_reserved_mib`
 (`max_memory_allocated` / `max_memory_reserved` over training; a CUDA graph's pool shows only in the second),
 `compile` (torch.compile's counters) and, from the last generation call replayed under `torch.profiler`, `kernels`
@@ -37,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(ROOT))  # grpo_hf from this checkout where it is not installed (a GPU machine)
 sys.path += [str(ROOT / "recipes"), str(ROOT / "tests"), str(ROOT / "tests" / "distributed")]
 
-SHAPES = {  # Qwen2.5-0.5B / -1.5B (their config.json) with 151,936 tokens, and the tiny shape of --tiny
+SHAPES = {  # Qwen2.5-0.5B / -1.5B (their config.json) with 151,936 tokens; the tiny one of --tiny
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
     "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),  # vLLM: head 32
 }
 VOCAB = {"0.5B": 151_936, "1.5B": 151_936, "tiny": 1_024}
 DEFAULTS = dict(prompts=2, num_generations=8, max_completion_length=128, beta=0.04, num_iterations=1)
@@ -266,6 +267,21 @@ class GenerationMeter:
 
     def __init__(self, cuda: bool):
         self.cuda, self.seconds, self.decode_steps, self.last_call, self.depth = cuda, [], [], None, 0
+        self.phases: dict[str, float] = Counter()  # this step's seconds in other timed functions
+
+    def phase(self, name: str, fn):
+        """`fn` timed into this step's `phases[name]` (the device synchronised at its end)."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.phases[name] += time.perf_counter() - start
+
+        return timed
 
     def sync(self) -> None:
         if self.cuda:
@@ -368,38 +384,40 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run(args, record: dict, save) -> None:
-    import datasets
-    import torch
-    import transformers
-    from transformers import TrainerCallback
-
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda, but torch sees no CUDA device")
-    meter = GenerationMeter(cuda)
-    if args.impl == "trl":
+def instrument(impl: str, record: dict, meter: GenerationMeter, engine_attrs: dict) -> None:
+    """Time generation (and grpo_hf's phases), and keep grpo_hf's engine log."""
+    if impl == "trl":
         from transformers import GenerationMixin
 
         GenerationMixin.generate = meter.wrap(GenerationMixin.generate, trl_width)
         record["engine"] = "model.generate"
-    else:
-        from grpo_hf.rollout import RolloutEngine
-        from grpo_hf.rollout.cuda_graph import CUDAGraphEngine
+        return
+    import grpo_hf.experience as experience
+    from grpo_hf import GRPOTrainer
+    from grpo_hf.logprobs import LogprobPath
+    from grpo_hf.rollout import RolloutEngine
+    from grpo_hf.rollout.cuda_graph import CUDAGraphEngine
 
-        RolloutEngine.generate = meter.wrap(RolloutEngine.generate, lambda out, *_: out.completion_ids.size(1))
-        for key, value in json.loads(args.engine_attrs).items():
-            setattr(CUDAGraphEngine, key, value)
-        for name in ("grpo_hf.experience", "grpo_hf.rollout"):
-            logging.getLogger(name).setLevel(logging.INFO)
-            logging.getLogger(name).addHandler(_Lines(record["engine_log"]))
+    RolloutEngine.generate = meter.wrap(RolloutEngine.generate, lambda out, *_: out.completion_ids.size(1))
+    experience.compute_rewards = meter.phase("rewards", experience.compute_rewards)
+    LogprobPath.no_grad = meter.phase("no-grad log-probs", LogprobPath.no_grad)
+    GRPOTrainer.training_step = meter.phase("training_step", GRPOTrainer.training_step)
+    for key, value in engine_attrs.items():
+        setattr(CUDAGraphEngine, key, value)
+    for name in ("grpo_hf.experience", "grpo_hf.rollout"):
+        logging.getLogger(name).setLevel(logging.INFO)
+        logging.getLogger(name).addHandler(_Lines(record["engine_log"]))
+
+
+def recorder(record: dict, meter: GenerationMeter, trainer, save):
+    """A callback that times each step and keeps what its log says."""
+    from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
         def on_step_begin(self, *_, **__):
             meter.seconds.append(0.0)
             meter.decode_steps.append(0)
+            meter.phases.clear()
             meter.sync()
             self.start = time.perf_counter()
 
@@ -407,8 +425,8 @@ def run(args, record: dict, save) -> None:
             meter.sync()
             record["step_seconds"].append(time.perf_counter() - self.start)
             record["generate_seconds"], record["decode_steps"] = meter.seconds, meter.decode_steps
-            if record["engine"] is None and getattr(trainer, "rollout", None) is not None:
-                record["engine"] = trainer.rollout.name
+            record["phases"].append(dict(meter.phases))
+            record["engine"] = record["engine"] or getattr(getattr(trainer, "rollout", None), "name", None)
             save()
 
         def on_log(self, _args, _state, _control, logs=None, **__):
@@ -418,14 +436,27 @@ def run(args, record: dict, save) -> None:
             if "reward" in logs:  # a step that generated
                 record["rewards"].append(logs["reward"])
                 record["mean_length"].append(logs.get("completions/mean_length", 0.0))
-                record["completion_tokens"].append(
-                    record["mean_length"][-1] * trainer.args.per_device_train_batch_size
-                )
+                rows = trainer.args.per_device_train_batch_size
+                record["completion_tokens"].append(record["mean_length"][-1] * rows)
             elif "loss" in logs:
                 record["completion_tokens"].append(0.0)
-            if "tools/call_frequency" in logs:
-                record["tool_calls"].append(logs["tools/call_frequency"])
+            record["tool_calls"] += [logs["tools/call_frequency"]] if "tools/call_frequency" in logs else []
 
+    return Recorder()
+
+
+def run(args, record: dict, save) -> None:
+    import datasets
+    import torch
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device")
+    meter = GenerationMeter(cuda)
+    instrument(args.impl, record, meter, json.loads(args.engine_attrs))
     with tempfile.TemporaryDirectory() as output_dir:
         try:
             record["rss_start_mib"] = _rss_mib()
@@ -434,13 +465,12 @@ def run(args, record: dict, save) -> None:
             trainer = build_trainer(
                 args.impl, args.config, args.steps, args.seed, args.device, output_dir, extra, **options
             )
-            trainer.add_callback(Recorder())
+            trainer.add_callback(recorder(record, meter, trainer, save))
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             trainer.train()
         except torch.cuda.OutOfMemoryError as err:
-            record.update(status="oom", error=str(err).splitlines()[0][:300])
-            return
+            return record.update(status="oom", error=str(err).splitlines()[0][:300])
         finally:
             record["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             if cuda:
@@ -484,9 +514,9 @@ def main() -> None:
 
     if args.prepare:
         return write(prepare(settings(args.config, args.tiny)["shape"], args.prepare, args.device))
-    keys = "step_seconds generate_seconds decode_steps completion_tokens rewards mean_length tool_calls engine_log"
+    keys = "step_seconds generate_seconds decode_steps phases completion_tokens rewards mean_length tool_calls"
     record = {"impl": args.impl, "config": args.config, "status": "running", "engine": None, "compile": {}}
-    record.update({key: [] for key in keys.split()})
+    record.update({key: [] for key in [*keys.split(), "engine_log"]})
     try:
         run(args, record, lambda: write(record))
     except BaseException as err:
