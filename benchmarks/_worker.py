@@ -181,12 +181,14 @@ def task_inputs(impl: str, s: dict, seed: int, output_dir: str, model_dir: str |
     """A config's GRPOTrainer arguments beside `args`: model, rewards, data, and what else its task needs."""
     from datasets import Dataset
 
-    from grpo_hf.models import load_tokenizer, offline_model_path
+    from grpo_hf.models import load_tokenizer
     from grpo_hf.rewards import accuracy_reward, gsm8k_format_reward
 
     from gsm8k_support.data import make_arithmetic_dataset, to_conversational
+    from offline_model import offline_model_path  # recipes/offline_model.py
 
-    model, task = model_dir or offline_model_path(), s["task"]
+    task = s["task"]
+    model = model_dir or (offline_model_path() if task in ("gsm8k", "tools") else None)  # the real SmolLM2 weights
     if task == "gsm8k":
         data = to_conversational(make_arithmetic_dataset(256, seed=0), answer_format="####")
         return dict(model=model, reward_funcs=[accuracy_reward, gsm8k_format_reward], train_dataset=data)
