@@ -58,11 +58,13 @@ bench: install
 	$(PY) benchmarks/bench_code_reward.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
-	$(PY) benchmarks/vlm_vs_trl.py
-	$(PY) benchmarks/tools_vs_trl.py
+	$(PY) benchmarks/vs_trl.py --configs vlm,vlm_frozen --reps 1 --rollouts 4
+	$(PY) benchmarks/vs_trl.py --configs tools --reps 1 --rollouts 4
 	$(PY) benchmarks/multi_process.py
 
-# On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the bf16 learning check.
+# On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the demo recipe with bf16
+# weights (the learning check of docs/precision.md).
 bench-gpu: install
-	$(PY) benchmarks/gpu_vs_trl.py
-	$(PY) benchmarks/bf16_learning.py
+	$(PY) benchmarks/vs_trl.py --device cuda
+	$(PY) recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml --bf16 true --model_dtype bfloat16 --use_cpu false \
+		--output_dir outputs/bf16-learning

@@ -29,19 +29,14 @@ ITEMS = ["apple", "egg", "book", "ticket", "marble", "cookie", "pencil", "shirt"
 def _reasoning_sentence(rng: random.Random) -> str:
     a, b = rng.randint(2, 60), rng.randint(2, 40)
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.randrange(6)
-    if kind == 0:
-        return f"{name} buys {a} {item}s at ${b} each, so {a} * {b} = <<{a}*{b}={a * b}>>{a * b} dollars. "
-    if kind == 1:
-        return f"Then {name} gives away {b} of the {a + b} {item}s, leaving {a + b} - {b} = {a} {item}s. "
-    if kind == 2:
-        total = a * b * 25
-        return f"Over the year that adds up to {total:,} {item}s, which is {a * b}% of the stock. "
-    if kind == 3:
-        return f"Half of {2 * a} is {a}, and a quarter of {4 * b} is {b}, so together we get {a + b}. "
-    if kind == 4:
-        return f"Let me double-check: {a} + {b} = {a + b}, and {a + b} * 2 = {2 * (a + b)}. That looks right. "
-    return f"We know that {name} has {a} {item}s and needs {b} more to reach the goal of {a + b}. "
+    return [
+        f"{name} buys {a} {item}s at ${b} each, so {a} * {b} = <<{a}*{b}={a * b}>>{a * b} dollars. ",
+        f"Then {name} gives away {b} of the {a + b} {item}s, leaving {a + b} - {b} = {a} {item}s. ",
+        f"Over the year that adds up to {a * b * 25:,} {item}s, which is {a * b}% of the stock. ",
+        f"Half of {2 * a} is {a}, and a quarter of {4 * b} is {b}, so together we get {a + b}. ",
+        f"Let me double-check: {a} + {b} = {a + b}, and {a + b} * 2 = {2 * (a + b)}. That looks right. ",
+        f"We know that {name} has {a} {item}s and needs {b} more to reach the goal of {a + b}. ",
+    ][rng.randrange(6)]
 
 
 def _make_completion(rng: random.Random, gold: int) -> tuple[str, float]:

@@ -1,17 +1,11 @@
 """bf16 weights learn with fp32 master weights and do not without: the toy tag task, three ways, side by side.
 
-The task of `tests/test_trainer.py::test_toy_task_learns_from_scratch` (a 32-token vocabulary, a tiny Llama of ~270k
-parameters trained from scratch to write `<think> ... </think> <answer> X </answer>` and copy a letter), at a learning
-rate at which most AdamW steps on bf16 weights round away (`--lr`, default 3e-5; weights of ~0.02 have a bf16
-half-spacing of ~6e-5, RMSNorm weights of 1.0 one of ~2e-3):
-
-- fp32 weights (the reference);
-- bf16 weights, bf16=True, fp32 master weights (the default);
-- bf16 weights, bf16=True, `fp32_master_weights=False`.
-
-Prints the mean reward and entropy over the first and last 10 steps, the L1 distance the weights moved, and the logged
-`precision/lost_updates`, per run. Runs on a CPU in a few minutes (bf16 backward matmuls are slow on CPUs
-without AMX).
+The task of `tests/test_trainer.py::test_toy_task_learns_from_scratch` (a tiny Llama trained from scratch to write
+`<think> ... </think> <answer> X </answer>` and copy a letter) at a learning rate at which most AdamW steps on bf16
+weights round away (`--lr`, default 3e-5; weights of ~0.02 have a bf16 half-spacing of ~6e-5): fp32 weights (the
+reference); bf16 weights with fp32 master weights (the default); bf16 weights with `fp32_master_weights=False`. Prints
+per run the mean reward and entropy over the first and last 10 steps, the L1 distance the weights moved and the logged
+`precision/lost_updates`. A few minutes on a CPU (bf16 backward matmuls are slow without AMX).
 
     python benchmarks/bf16_toy.py [--steps 100] [--lr 3e-5]
 """

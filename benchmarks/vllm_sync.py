@@ -37,7 +37,7 @@ def main() -> None:
     from grpo_hf.logprobs import completion_logps
 
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = _worker.build_trainer("grpo_hf", "a", 1, 0, False, output_dir, {"use_vllm": True})
+        trainer = _worker.build_trainer("grpo_hf", "a", 1, 0, "cpu", output_dir, {"use_vllm": True})
         inputs = next(iter(trainer.get_train_dataloader()))
         metrics, G = trainer._metrics["train"], trainer.args.num_generations
         batch = trainer.experience.rollout_round(inputs, G, metrics)  # one rollout: starts vLLM, pushes, samples

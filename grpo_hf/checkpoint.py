@@ -1,7 +1,7 @@
 """Checkpoints that are whole or absent, and the trainer state that makes a resume exact.
 
-- **Atomic saves.** `Trainer` writes a checkpoint file by file; a kill half-way used to leave a
-  `checkpoint-N` that looks like any other. The trainer now writes it under `output_dir/.saving/`
+- **Atomic saves.** `Trainer` writes a checkpoint file by file, so a kill half-way would leave a
+  `checkpoint-N` that looks like any other. The trainer writes it under `output_dir/.saving/`
   and renames it into place when every process has written its part (`publish`): a directory
   named `checkpoint-N` is complete.
 - **Resume picks a complete checkpoint.** `last_complete_checkpoint` skips, with a warning, any

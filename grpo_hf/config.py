@@ -8,8 +8,8 @@ the paper that defines GRPO; where they differ from TRL's defaults the class doc
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
-import json
 import logging
 import math
 import numbers
@@ -21,10 +21,20 @@ from typing import Any, Literal, get_args
 
 from transformers import GenerationConfig, TrainingArguments
 
-from grpo_hf.core import LossSettings, check_choice, check_entropy_settings
+from grpo_hf.core import EntropySettings, LossSettings, check_choice
+from grpo_hf.values import as_dict, with_article
 from grpo_hf.vllm_config import VLLMArguments
 
 logger = logging.getLogger(__name__)
+
+DICT_FIELDS = (
+    "model_init_kwargs",
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "transformers_continuous_batching_config",
+    "vllm_kwargs",
+)
+"""The dict-valued fields: a dict, JSON text (the command line) or None, each made a dict in `__post_init__`."""
 
 LOW_TEMPERATURE = 0.1  # below it, sampling is greedy in effect and the step's log-probs degenerate: a warning
 
@@ -373,7 +383,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     )
     use_model_generate: bool = field(
         default=False,
-        metadata={"help": "Alias of rollout_engine='generate' (kept for older configs)."},
+        metadata={"help": "TRL's switch for rollout_engine='generate'."},
     )
     cache_implementation: str | None = field(
         default=None,
@@ -489,15 +499,20 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     )
 
     def __post_init__(self):
-        """Validate every field once, then derive the generation batch; each step raises with the fix it needs."""
+        """Normalise every field once (aliases resolved, JSON text read), then check each group of fields; the
+        frozen settings the step reads (`loss_settings()`, `entropy_settings()`, `sampling_correction()`) check
+        themselves when built, so a config that builds is one the trainer can run. Each check raises with the fix."""
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
+        for name in DICT_FIELDS:  # JSON text (the command line) read here, once; None -> {}
+            setattr(self, name, as_dict(getattr(self, name), name))
         self._check_choices()
         self._check_trl_options()
         self._check_precision_options()
         if self.reward_weights is not None:
             check_reward_weights(self.reward_weights)  # a list of finite numbers
         self._check_sampling()
+        self._check_generation_kwargs()
         self._check_loss()
         self._check_rollout_options()
         self._check_liger()
@@ -562,11 +577,42 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 "meaningless. GRPO learns from sampled groups: use a temperature around 0.6-1.0 (1.0 is the default)."
             )
 
+    def _check_generation_kwargs(self) -> None:
+        """`generation_kwargs`: real `GenerationConfig` fields only, and none that undoes what GRPO relies on
+        (sampling, one completion per row, this config's temperature and max_completion_length, which the log-probs
+        and the loss use)."""
+        fields = {name for name in vars(GenerationConfig()) if not name.startswith("_")}
+        kwargs = self.generation_kwargs
+        for key in kwargs:
+            if key not in fields:
+                close = difflib.get_close_matches(key, sorted(fields), n=1)
+                hint = f"Did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"generation_kwargs has {key!r}, which is not a GenerationConfig field, so it would be ignored. "
+                    f"{hint}Valid names: transformers.GenerationConfig's attributes."
+                )
+        for key, name in (("temperature", "temperature"), ("max_new_tokens", "max_completion_length")):
+            if key in kwargs and kwargs[key] != getattr(self, name):
+                raise ValueError(
+                    f"generation_kwargs[{key!r}]={kwargs[key]!r} differs from {name}={getattr(self, name)!r}: the "
+                    f"log-probs and the loss use {name}, so set it in the config ({name}={kwargs[key]!r}) and drop "
+                    "the key."
+                )
+        if kwargs.get("do_sample", True) is False:
+            raise ValueError(
+                "generation_kwargs['do_sample']=False decodes greedily, so the G completions of a prompt are "
+                "identical and GRPO learns nothing from them. Remove it (sampling is on), and set temperature / top_p "
+                "instead."
+            )
+        if kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError(
+                f"generation_kwargs['num_return_sequences']={kwargs['num_return_sequences']!r}: the trainer samples "
+                "one completion per row and repeats each prompt num_generations times. Set num_generations instead."
+            )
+
     def _check_loss(self) -> None:
-        """Build the loss settings (they raise for impossible ones) and log their warnings and the entropy terms'."""
-        for message in self.loss_settings().warnings():
-            logger.warning(message)
-        for message in check_entropy_settings(**{name: getattr(self, name) for name in _ENTROPY_SETTINGS}):
+        """Build the loss and entropy settings once (they raise for impossible ones) and log their warnings."""
+        for message in [*self.loss_settings().warnings(), *self.entropy_settings().warnings()]:
             logger.warning(message)
 
     def _check_rollout_options(self) -> None:
@@ -577,7 +623,6 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
         self._resolve_engine_aliases()
         self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
-        self.vllm_kwargs = as_dict(self.vllm_kwargs, "vllm_kwargs")  # JSON text (the command line) read here, once
         from grpo_hf.rollout.engine import ENGINES  # the engine registry (rollout imports nothing of the config)
 
         if self.rollout_engine != "auto" and self.rollout_engine not in ENGINES:
@@ -623,9 +668,6 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
                 stacklevel=3,
             )
             self.use_transformers_continuous_batching = True
-        self.transformers_continuous_batching_config = as_dict(
-            self.transformers_continuous_batching_config, "transformers_continuous_batching_config"
-        )
         aliases = [("use_model_generate", "generate"), ("use_transformers_continuous_batching", "continuous_batching")]
         wanted = [(flag, engine) for flag, engine in aliases if getattr(self, flag)]
         if len(wanted) > 1:
@@ -702,7 +744,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     def model_load_kwargs(self) -> dict[str, Any]:
         """`from_pretrained` keyword arguments for the policy and reference model: `model_init_kwargs`, with
         `trust_remote_code` from this config unless they set it (TRL)."""
-        return {"trust_remote_code": self.trust_remote_code, **as_dict(self.model_init_kwargs, "model_init_kwargs")}
+        return {"trust_remote_code": self.trust_remote_code, **self.model_init_kwargs}
 
     def generation_config_for(self, pad_token_id: int, eos_token_ids: list[int]) -> GenerationConfig:
         """The rollouts' `GenerationConfig`: this config's sampling settings, then `generation_kwargs` over them."""
@@ -719,21 +761,17 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "use_cache": True,
             "cache_implementation": self.cache_implementation,
         }
-        return GenerationConfig(**{**settings, **as_dict(self.generation_kwargs, "generation_kwargs")})
+        return GenerationConfig(**{**settings, **self.generation_kwargs})
 
     def loss_settings(self) -> LossSettings:
-        """The loss's settings (`core.LossSettings`, the fields of this config of the same names), checked once:
-        built on the first call, then the same object while those fields keep their values (a field changed after
-        construction gives new settings, checked in turn). The trainer passes them to `core.grpo_loss_with`."""
-        values = {name: getattr(self, name) for name in LossSettings.field_names()}
-        cached = self.__dict__.get("_loss_settings")
-        if cached is None or dataclasses.asdict(cached) != values:
-            cached = self.__dict__["_loss_settings"] = LossSettings(**values)
-        return cached
+        """The loss's settings (`core.LossSettings`, this config's fields of the same names), frozen and checked when
+        built. `__post_init__` builds them once to check them; the trainer builds them once more when it is
+        constructed (so a field set between the two counts) and hands them to the objective."""
+        return LossSettings(**{name: getattr(self, name) for name in LossSettings.field_names()})
 
-    def entropy_kwargs(self) -> dict[str, Any]:
-        """The fields of `core.EntropyControl` (the entropy bonus's coefficient) this config sets, same names."""
-        return {name: getattr(self, name) for name in _ENTROPY_CONTROL}
+    def entropy_settings(self) -> EntropySettings:
+        """The entropy terms' settings (`core.EntropySettings`, same names), frozen and checked when built."""
+        return EntropySettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EntropySettings)})
 
     @classmethod
     def from_trl_defaults(cls, **kwargs) -> GRPOConfig:
@@ -778,33 +816,6 @@ TRL_DEFAULTS: dict[str, Any] = {
 # the installed TRL and fails on any other difference).
 TRL_DIFFERENCES: dict[str, str] = {}
 
-# GRPOConfig fields that make `core.EntropyControl` (the entropy bonus's coefficient), with the same names.
-_ENTROPY_CONTROL = (
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "entropy_coef_min",
-    "entropy_coef_max",
-    "entropy_coef_delta",
-    "entropy_target",
-)
-
-# GRPOConfig fields that `core.check_entropy_settings` checks (it takes the same names).
-_ENTROPY_SETTINGS = ("top_entropy_quantile", "importance_sampling_level", *_ENTROPY_CONTROL)
-
-
-def as_dict(value, name: str) -> dict:
-    """A dict-valued field (`model_init_kwargs`, `generation_kwargs`, ...) given as a dict, JSON text or None."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{name} must be a dict or a JSON object string; got {value!r}.") from err
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a dict; got {type(value).__name__}.")
-    return value
-
 
 def check_reward_weights(weights: Any) -> None:
     """`reward_weights`: a list of finite real numbers (the count is checked against the functions by the trainer)."""
@@ -823,11 +834,6 @@ def check_reward_weights(weights: Any) -> None:
             f"reward_weights={list(weights)} has a non-finite entry: every weight must be a finite number "
             "(0 turns a reward function off)."
         )
-
-
-def with_article(noun: str) -> str:
-    """'a str', 'an int': a type name with its indefinite article, for messages about a value's type."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def config_reference_markdown(cls: type | None = None) -> str:

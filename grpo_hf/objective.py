@@ -20,20 +20,32 @@ from torch import Tensor
 from grpo_hf.core import (
     LOSS_VARIANTS,
     EntropyControl,
+    EntropySettings,
+    LossSettings,
+    SamplingCorrection,
     entropy_bonus,
     grpo_loss_with,
     high_entropy_mask,
-    sampling_importance_weights,
 )
 from grpo_hf.rollout.batching import MicroBatch
 
 
 class Objective:
-    """The loss of a micro-batch under one run's settings (`args`, a `GRPOConfig`)."""
+    """The loss of a micro-batch under one run's frozen settings: the loss's, the entropy terms' and vLLM's
+    importance-sampling correction's (None: off), as `GRPOConfig` builds them."""
 
-    def __init__(self, args, accelerator, router_aux_loss_coef: float):
-        self.args, self.accelerator, self.router_aux_loss_coef = args, accelerator, router_aux_loss_coef
-        self.entropy = EntropyControl(**args.entropy_kwargs())  # the entropy bonus's coefficient
+    def __init__(
+        self,
+        accelerator,
+        loss: LossSettings,
+        entropy: EntropySettings,
+        correction: SamplingCorrection | None,
+        *,
+        router_aux_loss_coef: float,
+    ):
+        self.accelerator, self.router_aux_loss_coef = accelerator, router_aux_loss_coef
+        self.settings, self.entropy_settings, self.correction = loss, entropy, correction
+        self.entropy = EntropyControl(entropy)  # the entropy bonus's coefficient, adapted during the run
 
     def __call__(
         self,
@@ -49,7 +61,7 @@ class Objective:
         [B, T] (None: all), with its metrics. `accumulation_steps`: Trainer's for this optimizer step (training);
         None for evaluation (on-policy, normalised by this batch's own tokens, nothing accumulated). `router_aux`:
         the MoE load-balancing losses of the forwards."""
-        settings, mask, train = self.args.loss_settings(), batch.completion_mask, accumulation_steps is not None
+        settings, mask, train = self.settings, batch.completion_mask, accumulation_steps is not None
         sampling_weight, sampling_metrics = self.sampling_weight(logps, batch) if train else (None, {})
         loss, metrics = grpo_loss_with(
             logps,
@@ -82,22 +94,19 @@ class Objective:
     def sampling_weight(self, logps: Tensor, batch: MicroBatch) -> tuple[Tensor | None, dict[str, float]]:
         """vLLM's importance-sampling correction (`core.sampling_importance_weights`): the weight pi_old / pi_vllm
         [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the correction off
-        (`sampling_correction_kwargs`). Without old log-probs (no optimizer step since the rollout) pi_old is the
-        current policy's, detached."""
-        settings = self.args.sampling_correction_kwargs()
-        if settings is None or batch.sampling_logps is None:
+        (`correction` None). Without old log-probs (no optimizer step since the rollout) pi_old is the current
+        policy's, detached."""
+        if self.correction is None or batch.sampling_logps is None:
             return None, {}
         old_logps = logps.detach() if batch.old_logps is None else batch.old_logps
-        weight, values = sampling_importance_weights(
-            old_logps, batch.sampling_logps, batch.completion_mask, **settings
-        )
+        weight, values = self.correction.weights(old_logps, batch.sampling_logps, batch.completion_mask)
         floats = torch.stack(list(values.values())).tolist()  # one sync per micro-batch
         return weight, {f"sampling/{name}": value for name, value in zip(values, floats, strict=True)}
 
     @property
     def needs_entropy(self) -> bool:
         """Whether the loss reads the entropy: the entropy bonus, or the high-entropy token mask."""
-        return self.entropy.enabled or self.args.top_entropy_quantile < 1.0
+        return self.entropy.enabled or self.entropy_settings.masks_tokens
 
     def router_aux(self, kwargs: dict) -> list[Tensor] | None:
         """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob
@@ -109,9 +118,9 @@ class Objective:
 
     def policy_mask(self, entropy: Tensor | None, mask: Tensor) -> Tensor | None:
         """The policy term's tokens [B, T] for `top_entropy_quantile`; None at 1.0: all."""
-        if self.args.top_entropy_quantile == 1.0:
+        if not self.entropy_settings.masks_tokens:
             return None
-        return self.high_entropy_mask(entropy, mask, self.args.top_entropy_quantile)
+        return self.high_entropy_mask(entropy, mask, self.entropy_settings.top_entropy_quantile)
 
     def high_entropy_mask(self, entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:
         """bool [B, T]: the completion tokens whose entropy is in the top `quantile` of the completion tokens of this
@@ -128,7 +137,7 @@ class Objective:
         mask_f = mask.float()
         metrics["entropy"].append(((entropy.detach() * mask_f).sum() / mask_f.sum().clamp(min=1)).item())
         control, accelerator = self.entropy, self.accelerator
-        if control.use_adaptive_entropy:
+        if control.adaptive:
             control.accumulate(entropy, mask if policy_mask is None else mask * policy_mask)
             if accelerator.sync_gradients:
                 window = control.window

@@ -8,10 +8,11 @@ A stream has no length and no indices, so `RepeatSampler` cannot order it. Inste
   the batches already trained on (re-reading the stream up to them);
 - every process reads the whole stream and accelerate gives each its contiguous share of every batch. That needs
   `dispatch_batches=False` (with dispatching, process 0 would read the batches and send them as tensors, which rows of
-  strings cannot be); `configure_args` sets it, and `validation` refuses an explicit `dispatch_batches=True`;
-- one loader worker reads it (`one_worker`): several would each take part of the stream and interleave their
-  batches, splitting groups. A stream train set sets `dataloader_num_workers=0` for the run, with a warning; a stream
-  eval set only for its own loader.
+  strings cannot be): `loader` sets it on the accelerator, and `validation` refuses an explicit
+  `dispatch_batches=True`;
+- one loader worker reads it, in the main process (`loader`): several would each take part of the stream and
+  interleave their batches, splitting groups. `dataloader_num_workers` applies to map-style datasets only (a stream
+  train set with workers set gets a warning when the trainer is built).
 
 What a stream cannot have: a step count of its own (`max_steps` is required), dynamic sampling (which draws extra
 prompts by index), and a check of every prompt up front (`validation` checks its first rows).
@@ -20,18 +21,12 @@ prompts by index), and a check of every prompt up front (`validation` checks its
 from __future__ import annotations
 
 import itertools
-import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 
 import datasets
+from torch.utils.data import DataLoader
 
 from grpo_hf.rollout.batching import RepeatedStream
-
-logger = logging.getLogger(__name__)
-
-ONE_WORKER = {"dataloader_num_workers": 0, "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None}
-"""The loader settings for reading in the main process (the last two are invalid with no worker processes)."""
 
 STREAM_ROWS_CHECKED = 64
 """Rows read from the start of a stream to check its columns and prompts before training (`validation`)."""
@@ -51,35 +46,14 @@ def any_stream(train_dataset, eval_dataset) -> bool:
     return is_stream(train_dataset) or any(is_stream(dataset) for dataset in eval_splits(eval_dataset))
 
 
-def configure_args(args, train_dataset, eval_dataset) -> None:
-    """Before `Trainer.__init__` builds the accelerator: `dispatch_batches=False` when any dataset is a stream, and a
-    single loader worker for a stream train set (`validation._check_stream` has refused `dispatch_batches=True`)."""
-    if not any_stream(train_dataset, eval_dataset):
-        return
-    args.accelerator_config.dispatch_batches = False
-    if is_stream(train_dataset) and args.dataloader_num_workers != 0:
-        logger.warning(
-            "train_dataset is a stream (IterableDataset): it is read by a single loader worker, so that each prompt's "
-            f"{args.num_generations} copies stay together; dataloader_num_workers={args.dataloader_num_workers} "
-            "is set to 0."
-        )
-        _set(args, ONE_WORKER)
-
-
-@contextmanager
-def one_worker(args) -> Iterator[None]:
-    """`args` read by one loader worker (no worker processes) inside the block, restored after it."""
-    saved = {name: getattr(args, name) for name in ONE_WORKER}
-    _set(args, ONE_WORKER)
-    try:
-        yield
-    finally:
-        _set(args, saved)
-
-
-def _set(args, values: Mapping) -> None:
-    for name, value in values.items():
-        setattr(args, name, value)
+def loader(stream, args, accelerator, batch_size: int, is_training: bool, collate_fn) -> DataLoader:
+    """`stream` in the samplers' order (`in_sampler_order`), read in the main process, each process taking its share
+    of every batch (`dispatch_batches=False` on `accelerator`), prepared by `accelerator`. `args` is read only."""
+    accelerator.dataloader_config.dispatch_batches = False
+    ordered = in_sampler_order(stream, args, is_training)
+    return accelerator.prepare(
+        DataLoader(ordered, batch_size=batch_size, collate_fn=collate_fn, pin_memory=args.dataloader_pin_memory)
+    )
 
 
 def first_rows(dataset, n: int = STREAM_ROWS_CHECKED) -> list:

@@ -31,17 +31,18 @@ from grpo_hf import checkpoint, streams, validation  # validation: the input che
 from grpo_hf.callbacks import AnnounceStart, RefreshRolloutWeights, SkipNonfiniteUpdates, StopTogether, SyncReference
 from grpo_hf.checkpoint import AtomicCheckpoints
 from grpo_hf.completion_log import CompletionLog
-from grpo_hf.config import GRPOConfig, as_dict, config_or_default
+from grpo_hf.config import GRPOConfig, config_or_default
 from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
+from grpo_hf.heads import cast_lm_head_to_fp32, router_aux_loss_coef
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
-from grpo_hf.models import build_models, cast_lm_head_to_fp32, router_aux_loss_coef, tokenizer_of
+from grpo_hf.models import build_models, tokenizer_of
 from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.rewards.models import reward_processing_classes_of, reward_sources
+from grpo_hf.rewards.reward_models import reward_processing_classes_of, reward_sources
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
 from grpo_hf.tooling import train_rows
@@ -93,7 +94,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     ):
         args = config_or_default(args, model)
         args.log_defaults_differing_from_trl()
-        validation.check_generation_kwargs(as_dict(args.generation_kwargs, "generation_kwargs"), args)
         set_seed(args.seed)  # before LoRA adapters and reward heads are initialised: alike on every process (FSDP)
         model, ref_model, processing_class = build_models(
             model,
@@ -105,13 +105,12 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             gradient_checkpointing=args.gradient_checkpointing,
             quantization_config=quantization_config,  # QLoRA: loaded quantized, adapters bf16 (TRL)
         )
-        validation.check_policy_model(model, processing_class, peft_config)
         self.agentic = ToolSetup.build(tools, environment_factory, processing_class)  # None: no tools, no environments
         train_dataset = train_rows(train_dataset, environment_factory, args)
-        max_positions = validation.model_max_positions(model)
         envs = self.agentic is not None and self.agentic.environments is not None  # their reset() writes prompts
-        columns = validation.check_datasets(train_dataset, eval_dataset, processing_class, args, max_positions, envs)
-        streams.configure_args(args, train_dataset, eval_dataset)  # before Trainer builds the accelerator
+        columns = validation.check_inputs(
+            model, processing_class, peft_config, train_dataset, eval_dataset, args, environments=envs
+        )
         self._init_rewards(reward_funcs, reward_processing_classes, args, columns)
 
         if args.should_save:  # Trainer creates output_dir here: say what is wrong with it, before anything runs
@@ -134,7 +133,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- construction helpers --------------------------------------------------------------------------------
     def _init_rewards(self, reward_funcs, reward_processing_classes, args: GRPOConfig, columns: dict) -> None:
-        """The reward functions, their names and weights [R] (`rewards.models.reward_sources`): `reward_funcs`, then
+        """The reward functions, their names and weights [R] (`reward_models.reward_sources`): `reward_funcs`, then
         the reward of each environment that owns one."""
         owned, added = (self.agentic.reward_funcs(), ["environments"]) if self.agentic is not None else ([], [])
         funcs, names, weights = reward_sources(reward_funcs, reward_processing_classes, args, owned)
@@ -149,17 +148,19 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         tokenizer = tokenizer_of(self.processing_class)  # a VLM's processor's own
         self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), tokenizer)
         self.generation_config = args.generation_config_for(tokenizer.pad_token_id, self.eos_token_ids)
-        self.chat_template_kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
+        self.chat_template_kwargs = args.chat_template_kwargs
         self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         self._metrics = Metrics()
         self.completion_log = CompletionLog(args)  # log_completions: TRL's files, the table, trackers, the Hub
         self.guard = NonfiniteGuard(self.accelerator, args.on_nonfinite, self.reward_func_names, self.reward_weights)
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        forwards = {"temperature": args.temperature, "chunk_size": args.logprob_chunk_size}  # every forward's
+        sharded, aux = self.is_fsdp_enabled or self.is_deepspeed_enabled, self.router_aux_loss_coef
         self.logps = LogprobPath(
-            self.accelerator, args, router_aux_loss_coef=self.router_aux_loss_coef, sharded=sharded
+            self.accelerator, forwards, args.per_device_train_batch_size, args.share_prompt_prefix, aux, sharded
         )
-        self.objective = Objective(args, self.accelerator, self.router_aux_loss_coef)
+        settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction())  # frozen, checked
+        self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
         self.experience = self._experience_maker(rollout_func)
         self._micro_step = 0
         self._buffer: list[MicroBatch] = []  # the micro-batches of the current rollout
@@ -263,14 +264,11 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         the stream itself (`RepeatedStream`), read by one worker."""
         if not streams.is_stream(dataset):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
-        args = self.args
-        self.accelerator.dataloader_config.dispatch_batches = False
         checked = streams.eval_splits(self.eval_dataset)  # at construction
         if not is_training and not any(dataset is known for known in checked):  # first seen by `evaluate(stream)`
-            validation.check_dataset(dataset, "eval_dataset", self.processing_class, args, None, is_train=False)
-        with streams.one_worker(args):
-            ordered = streams.in_sampler_order(dataset, args, is_training)
-            return super()._get_dataloader(ordered, description, batch_size, sampler_fn, is_training, **kwargs)
+            validation.check_dataset(dataset, "eval_dataset", self.processing_class, self.args, None, is_train=False)
+        collate = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        return streams.loader(dataset, self.args, self.accelerator, batch_size, is_training, collate)
 
     def get_train_dataloader(self):
         # Each dataloader batch is this process's share of a whole generation batch; the sampler

@@ -1,55 +1,51 @@
-"""Input checks up front (issue 14): bad inputs fail when the trainer is built, not steps into training, with a
-message that names the field, the argument or the dataset row, and says what to change.
+"""The checks of what `GRPOConfig` cannot see: the model, the tokenizer or processor, the datasets and the reward
+functions. Bad inputs fail when the trainer is built, not steps into training, with a message that names the
+argument or the dataset row and says what to change. Every check of the config alone runs when the config is built
+(`GRPOConfig.__post_init__`); this module imports nothing of it.
 
 What is checked when:
 
-- `GRPOConfig(...)` (`__post_init__`): field ranges and choices, batch divisibility, `check_reward_weights`.
 - `GRPOTrainer(...)`, in this order, before anything is generated:
-  1. `check_generation_kwargs`: every `generation_kwargs` key is a `GenerationConfig` field (a typo gets the closest
-     name), and none undoes what GRPO relies on (sampling, one completion per row, the config's temperature and
-     max_completion_length, which the log-probs and the loss use).
-  2. `models.build_models`: `check_local_path` (a string that can only be a local path and does not exist is
-     reported as a missing path, not as an unreachable Hub) and `check_processing_class`.
-  3. `check_policy_model`: a decoder-only causal LM whose vocabulary covers the tokenizer, a pad token, and
-     trainable parameters (or adapters from `peft_config`).
-  4. `check_datasets`: each dataset (train, eval, each split of a dict of eval datasets) is map-style
-     (`_require_map_style`: the one place that says which dataset types are supported) or a stream (`_check_stream`:
-     the config it needs, then its first rows are checked as below), has a 'prompt' column,
-     no column named like a reward-function argument, and (train) rows for one generation batch; then one pass over
-     its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to render
-     them; and, only where left-truncation to `max_prompt_length` does not already keep prompt + completion within
-     the model's positions, the token length of the longest prompts (`_check_prompt_lengths`). Large datasets are
-     sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
-  5. `rewards.models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
+  1. `models.build_models`: `check_local_path` (a string that can only be a local path and does not exist is
+     reported as a missing path, not as an unreachable Hub) and `models.check_processing_class`.
+  2. `check_inputs`, the entry point for the model and the data:
+     - `check_policy_model`: a decoder-only causal LM (or an image-text-to-text model) whose vocabulary covers the
+       tokenizer, a pad token, and trainable parameters (or adapters from `peft_config`);
+     - `check_datasets`: each dataset (train, eval, each split of a dict of eval datasets) is map-style
+       (`_require_map_style`: the one place that says which dataset types are supported) or a stream
+       (`_check_stream`: the settings it needs, then its first rows are checked as below), has a 'prompt' column,
+       no column named like a reward-function argument, and (train) rows for one generation batch; then one pass
+       over its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to
+       render them; and, only where left-truncation to `max_prompt_length` does not already keep prompt +
+       completion within the model's positions, the token length of the longest prompts (`_check_prompt_lengths`).
+       Large datasets are sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
+  3. `rewards.reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
      `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
      argument it requires.
-  6. the number of `reward_weights`; `checkpoint.check_writable(output_dir)`; after `Trainer.__init__`, the EOS
+  4. the number of `reward_weights`; `checkpoint.check_writable(output_dir)`; after `Trainer.__init__`, the EOS
      ids (`rollout.eos_token_ids_of`) and `chat_template_kwargs`.
+- `evaluate(stream)` with a stream not seen at construction: `check_dataset` on it.
 - At every reward call (`rewards.calling`): each value a reward function returns is an int, float, bool or None
   (`numbers.Real`; NumPy numbers and one-element arrays or tensors count too; strings, even "0.5", do not).
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
-import os
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import datasets
-from transformers import GenerationConfig
 
 from grpo_hf import streams
-from grpo_hf.config import as_dict, check_reward_weights
-from grpo_hf.config import with_article as _a
 from grpo_hf.paths import check_local_path, looks_like_local_path
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
 from grpo_hf.rollout.prompts import is_conversational, prompt_text
 from grpo_hf.rollout.vision import IMAGE_COLUMNS
+from grpo_hf.values import with_article as _a
 from grpo_hf.vision import is_processor, tokenizer_of
 
 logger = logging.getLogger(__name__)
@@ -59,12 +55,10 @@ __all__ = [
     "MAX_ROWS_TOKENIZED",
     "check_dataset",
     "check_datasets",
-    "check_generation_kwargs",
+    "check_inputs",
     "check_local_path",
     "check_policy_model",
-    "check_processing_class",
     "check_reward_funcs",
-    "check_reward_weights",
     "looks_like_local_path",
     "model_max_positions",
 ]
@@ -78,55 +72,19 @@ _CHUNK = 10_000  # rows read at once from a datasets.Dataset
 _CHAT_EXAMPLE = "[{'role': 'user', 'content': 'What is 2 + 2?'}]"
 
 
-# ---- settings and models (`check_reward_weights` is the config's, checked in `GRPOConfig.__post_init__`) ---------
-def _generation_fields() -> set[str]:
-    return {name for name in vars(GenerationConfig()) if not name.startswith("_")}
+# ---- the entry point -------------------------------------------------------------------------------------------
+def check_inputs(
+    model, processing_class, peft_config, train_dataset, eval_dataset, args, *, environments: bool = False
+) -> dict:
+    """The policy (`check_policy_model`) and every dataset (`check_datasets`, prompt lengths against the model's
+    positions). Returns {dataset name: its columns that reach the reward functions}. With `environments`, prompts may
+    be empty: each environment's `reset` writes its episode's prompt."""
+    check_policy_model(model, processing_class, peft_config)
+    positions = model_max_positions(model)
+    return check_datasets(train_dataset, eval_dataset, processing_class, args, positions, environments)
 
 
-def check_generation_kwargs(kwargs: Mapping[str, Any], args) -> None:
-    """`generation_kwargs`: real `GenerationConfig` fields only, and none that breaks GRPO's assumptions."""
-    fields = _generation_fields()
-    for key in kwargs:
-        if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"Did you mean {close[0]!r}? " if close else ""
-            raise ValueError(
-                f"generation_kwargs has {key!r}, which is not a GenerationConfig field, so it would be ignored. "
-                f"{hint}Valid names: transformers.GenerationConfig's attributes."
-            )
-    owned = {"temperature": args.temperature, "max_new_tokens": args.max_completion_length}
-    for key, field in (("temperature", "temperature"), ("max_new_tokens", "max_completion_length")):
-        if key in kwargs and kwargs[key] != owned[key]:
-            raise ValueError(
-                f"generation_kwargs[{key!r}]={kwargs[key]!r} differs from {field}={owned[key]!r}: the log-probs and "
-                f"the loss use {field}, so set it in the config ({field}={kwargs[key]!r}) and drop the key."
-            )
-    if kwargs.get("do_sample", True) is False:
-        raise ValueError(
-            "generation_kwargs['do_sample']=False decodes greedily, so the G completions of a prompt are identical "
-            "and GRPO learns nothing from them. Remove it (sampling is on), and set temperature / top_p instead."
-        )
-    if kwargs.get("num_return_sequences", 1) != 1:
-        raise ValueError(
-            f"generation_kwargs['num_return_sequences']={kwargs['num_return_sequences']!r}: the trainer samples one "
-            "completion per row and repeats each prompt num_generations times. Set num_generations instead."
-        )
-
-
-def check_processing_class(processing_class: Any) -> None:
-    """The tokenizer argument is a tokenizer object (not a path: loading it is up to the caller)."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        raise TypeError(
-            f"processing_class={processing_class!r} is a path; pass the tokenizer itself: "
-            "processing_class=AutoTokenizer.from_pretrained(path), or None to load the model's own."
-        )
-    if not (callable(processing_class) and hasattr(processing_class, "batch_decode")):
-        raise TypeError(
-            f"processing_class is {_a(type(processing_class).__name__)}, not a tokenizer: pass a "
-            "transformers tokenizer (AutoTokenizer.from_pretrained(...)), or None to load the model's own."
-        )
-
-
+# ---- models ----------------------------------------------------------------------------------------------------
 def model_max_positions(model) -> int | None:
     """The longest sequence the policy's positions cover (`max_position_embeddings` / `n_positions`), or None."""
     config = getattr(base_model(model), "config", None)
@@ -227,6 +185,12 @@ def _check_stream(
         raise ValueError(
             f"dynamic_sampling draws extra prompts from {name} by index, and a stream (IterableDataset) has none. "
             "Turn dynamic_sampling off, or load the dataset without streaming=True."
+        )
+    if is_train and args.dataloader_num_workers != 0:
+        logger.warning(
+            f"{name} is a stream (IterableDataset): it is read by a single loader worker, so that each prompt's "
+            f"{args.num_generations} copies stay together; dataloader_num_workers={args.dataloader_num_workers} "
+            "does not apply to it."
         )
     prompts_per_batch = args.generation_batch_size // args.num_generations
     rows = streams.first_rows(dataset, max(streams.STREAM_ROWS_CHECKED, prompts_per_batch if is_train else 0))
@@ -441,7 +405,7 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
             "(grpo_hf.validation.MAX_ROWS_TOKENIZED).", MAX_ROWS_TOKENIZED, len(order), name,
         )  # fmt: skip
         order = order[:MAX_ROWS_TOKENIZED]
-    kwargs = as_dict(args.chat_template_kwargs, "chat_template_kwargs")
+    kwargs = args.chat_template_kwargs
     texts = []
     for k in order:
         try:

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from grpo_hf.core import SAMPLING_CORRECTION_MODES
+from grpo_hf.core import SAMPLING_CORRECTION_MODES, SamplingCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class VLLMArguments:
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
                 f"{list(SAMPLING_CORRECTION_MODES)}."
             )
-        self._check_vllm_bounds()
+        self._check_correction()
         if self.vllm_server_timeout <= 0:
             raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds.")
         if self.vllm_cpu_kvcache_space < 1:
@@ -202,38 +202,31 @@ class VLLMArguments:
                 "to the longest prompt plus max_completion_length, or leave it None (the model's own)."
             )
 
-    def _check_vllm_bounds(self) -> None:
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min={low} must be less than vllm_importance_sampling_clip_max={high}."
-            )
-        correcting = self.use_vllm and self.vllm_importance_sampling_correction
-        if correcting and self.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio, but both "
-                "bounds are None. Set vllm_importance_sampling_clip_max (TRL's default: 3.0) or clip_min."
-            )
-        token_mode = self.vllm_importance_sampling_mode.startswith("token")
-        if correcting and self.loss_type == "vespo" and not token_mode:
+    def _check_correction(self) -> None:
+        """The correction's own settings (`core.SamplingCorrection` checks them), and its fit with the loss."""
+        correction = self.sampling_correction()
+        if correction is None:
+            return
+        if self.loss_type == "vespo" and not correction.per_token:
             raise ValueError(
                 "loss_type='vespo' folds vLLM's importance-sampling correction into its sequence weight token by "
                 f"token (as TRL), so vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} does not "
                 "apply: use 'token_truncate' or 'token_mask', or vllm_importance_sampling_correction=False."
             )
-        if correcting and token_mode and self.importance_sampling_level == "sequence_sum":
+        if correction.per_token and self.importance_sampling_level == "sequence_sum":
             raise ValueError(
                 "importance_sampling_level='sequence_sum' has one term per completion, so a per-token vLLM correction "
                 f"({self.vllm_importance_sampling_mode!r}) does not apply. Use vllm_importance_sampling_mode="
                 "'sequence_mask' or 'sequence_truncate'."
             )
 
-    def sampling_correction_kwargs(self) -> dict[str, Any] | None:
-        """The settings of `core.sampling_importance_weights`, or None when no correction applies."""
+    def sampling_correction(self) -> SamplingCorrection | None:
+        """The settings of vLLM's importance-sampling correction (`core.SamplingCorrection`, checked when built), or
+        None when no correction applies (no vLLM, or `vllm_importance_sampling_correction=False`)."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return None
-        return {
-            "mode": self.vllm_importance_sampling_mode,
-            "clip_min": self.vllm_importance_sampling_clip_min,
-            "clip_max": self.vllm_importance_sampling_clip_max,
-        }
+        return SamplingCorrection(
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )

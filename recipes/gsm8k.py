@@ -42,12 +42,13 @@ from transformers import HfArgumentParser, set_seed
 from transformers.utils import is_torch_bf16_gpu_available
 
 from grpo_hf import GRPOConfig, GRPOTrainer, get_reward_funcs
-from grpo_hf.models import OFFLINE_MODEL_ID, load_model, load_tokenizer
+from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rewards import names_a_reward_model
 
 from gsm8k_support.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems, to_conversational
 from gsm8k_support.evaluation import evaluate_accuracy, summarize
 from gsm8k_support.plotting import plot_training_curves
+from offline_model import OFFLINE_MODEL_ID, resolve_model_path
 
 logger = logging.getLogger("recipes.gsm8k")
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     _ = config.device  # initialises the process group under `accelerate launch` (gloo on CPU with use_cpu)
     state = PartialState()
 
-    model_path = args.model_name_or_path
+    model_path = resolve_model_path(args.model_name_or_path)  # the offline alias: its converted checkpoint
     logger.info("Loading %s", model_path)
     tokenizer = load_tokenizer(model_path, trust_remote_code=config.trust_remote_code)
     model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     need_eval = args.eval_only or args.eval_before or args.eval_after
     train_dataset, eval_dataset = load_datasets(args, config.seed, need_eval, need_train=not args.eval_only)
     results: dict[str, dict] = {}
-    extra = {"model": model_path, "dataset": args.dataset_path or args.dataset_name, "command": sys.argv}
+    extra = {"model": args.model_name_or_path, "dataset": args.dataset_path or args.dataset_name, "command": sys.argv}
 
     if args.eval_only or args.eval_before:
         model.to(state.device)

@@ -39,9 +39,10 @@ import yaml
 from transformers import HfArgumentParser, set_seed
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.models import OFFLINE_MODEL_ID, load_model, load_tokenizer
+from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rollout.tools import tool_chat_template
 
+from offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from tools_support.evaluation import evaluate
 from tools_support.problems import correct_answer, make_problems, multiply, to_conversational
 from tools_support.warm_start import warm_start
@@ -105,7 +106,7 @@ def run_arm(arm: str, args: ScriptArguments, config: GRPOConfig, tokenizer, trai
     """Base -> warm start -> GRPO for one arm, with a greedy evaluation after each; the metrics and timings."""
     set_seed(config.seed)
     tools = [multiply] if arm == "tools" else []
-    model = load_model(args.model_name_or_path, dtype="float32")
+    model = load_model(resolve_model_path(args.model_name_or_path), dtype="float32")
     stages, seconds = {}, {}
 
     def evaluate_as(stage: str, model) -> None:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.time()
     args, config = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(resolve_model_path(args.model_name_or_path))
     tokenizer.chat_template = Path(args.chat_template_path).read_text()
     template = tool_chat_template(tokenizer)  # checks the template, sets the tokenizer's response schema
     template_kwargs = {} if template is None else {"chat_template": template}

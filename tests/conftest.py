@@ -5,6 +5,7 @@ Nothing here touches the network: the tokenizer is built in memory from the 256 
 the models are randomly initialised from small configs.
 """
 
+import itertools
 import os
 import sys
 
@@ -19,13 +20,19 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = CHATML_TEMPLATE):
+def build_tiny_tokenizer(
+    extra_specials: tuple[str, ...] = (), chat_template: str = CHATML_TEMPLATE, vocab_size: int | None = None
+):
     """Byte-level tokenizer (one token per byte, no merges): encodes any text and decodes it exactly. `extra_specials`
-    (a vision-language model's image tokens, `tests/tiny_vlm.py`) come after the three ChatML ones."""
+    (a vision-language model's image tokens, `tests/tiny_vlm.py`) come after the three ChatML ones. `vocab_size`
+    fills the vocabulary up to that size with 2- and 3-symbol tokens, never produced by encoding, so that every id a
+    model of that vocabulary samples decodes to text (`benchmarks/_worker.py`: Qwen2.5's 151,936 tokens)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     vocab = {s: i for i, s in enumerate(specials)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    symbols = itertools.chain.from_iterable(itertools.product(alphabet, repeat=n) for n in (1, 2, 3))
+    for chars in itertools.islice(symbols, max(vocab_size or 0, len(vocab) + len(alphabet)) - len(vocab)):
+        vocab["".join(chars)] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()

@@ -5,6 +5,7 @@ everyone else while they run. Every test checks afterwards that no sandbox proce
 """
 
 import ast
+import builtins
 import http.server
 import os
 import socket
@@ -29,6 +30,9 @@ from grpo_hf.rewards import (
     get_reward_funcs,
     make_code_pass_rate_reward,
     make_code_reward,
+    sandbox_bootstrap,
+    sandbox_probe,
+    sandbox_runner,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +53,13 @@ def short_sandbox():
     return Sandbox(SandboxLimits(cpu_seconds=2, wall_seconds=2.5, memory_mb=256, max_processes=8), workers=2)
 
 
-def _sandbox_processes(marker: str = "grpo_hf-sandbox") -> list[str]:
+BOOTSTRAP_MARK = sandbox_bootstrap.__file__  # the bootstrap runs by path
+RUNNER_MARK = "\0" + Path(sandbox_runner.__file__).read_text().splitlines()[0]  # the runner's own `-c` argument
+
+
+def _sandbox_processes(*markers: str) -> list[str]:
+    """The processes whose command line holds one of `markers` (default: a bootstrap's or a runner's)."""
+    markers = markers or (BOOTSTRAP_MARK, RUNNER_MARK)
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -58,7 +68,7 @@ def _sandbox_processes(marker: str = "grpo_hf-sandbox") -> list[str]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if marker.encode() in cmdline:
+        if any(marker.encode() in cmdline for marker in markers):
             found.append(f"{entry.name}: {cmdline[:80]!r}")
     return found
 
@@ -368,7 +378,7 @@ def test_executions_die_with_the_training_process():
     trainer = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
-        while not _sandbox_processes("\0# grpo_hf-sandbox-runner"):  # the runner's own argument, not the bootstrap's
+        while not _sandbox_processes(RUNNER_MARK):
             assert time.monotonic() < deadline and trainer.poll() is None
             time.sleep(0.1)
     finally:
@@ -378,6 +388,62 @@ def test_executions_die_with_the_training_process():
     while _sandbox_processes():
         assert time.monotonic() < deadline, "a sandbox outlived the training process"
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The sandbox's programs, imported and run directly (trusted code, no sandbox)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _run_directly(code: str, tests: list[str]) -> list[str]:
+    """`sandbox_runner.run_tests` in this process; the verdict lines it writes."""
+    read, write = os.pipe()
+    try:
+        sandbox_runner.run_tests(code, tests, "TOKEN", write)
+    finally:
+        os.close(write)
+        sys.modules.pop("solution", None)
+    with os.fdopen(read) as pipe:
+        return pipe.read().splitlines()
+
+
+def test_the_runner_reports_a_verdict_per_test_after_it_runs():
+    tests = ["assert double(2) == 4", "assert double(2) == 5", "this is not python", "raise SystemExit(0)"]
+    assert _run_directly(DOUBLE, tests) == ["TOKEN 0 pass", "TOKEN 1 fail", "TOKEN 2 fail", "TOKEN 3 fail"]
+    assert _run_directly("raise ValueError", ["assert True"]) == ["TOKEN 0 fail"]  # the solution failed
+    real_abs = builtins.abs
+    try:  # the solution patches this process's builtins; the tests get the ones from before it ran
+        verdicts = _run_directly("import builtins\nbuiltins.abs = lambda x: 0\n", ["assert abs(-2) == 2"])
+        assert verdicts == ["TOKEN 0 pass"]
+    finally:
+        builtins.abs = real_abs
+
+
+def test_the_probe_lists_the_interpreter_and_fails_outside_a_sandbox(tmp_path, monkeypatch):
+    dirs = sandbox_probe.interpreter_dirs()
+    assert sys.prefix in dirs and os.path.dirname(os.path.realpath(sys.executable)) in dirs
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AssertionError, match="not PID 1"):  # this process is not confined: the probe says so
+        sandbox_probe.check_confinement(sys.prefix, "", sorted(os.environ))
+
+
+def test_the_bootstrap_reads_mount_points_and_finds_directories_the_sandbox_uid_cannot_enter():
+    assert sandbox_bootstrap.mount_point("/mnt/my\\040disk") == "/mnt/my disk"
+    assert sandbox_bootstrap.under("/a/b", ["/a"]) and sandbox_bootstrap.under("/a/b", ["/a/"])
+    assert not sandbox_bootstrap.under("/ab", ["/a"])
+    top = Path(tempfile.mkdtemp(prefix="grpo_hf-bootstrap-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        (top / "private" / "venv").mkdir(parents=True)
+        (top / "private").chmod(0o700)
+        nobody = 65534 if os.getuid() != 65534 else 65533
+        assert sandbox_bootstrap.blocked_ancestors([str(top / "private" / "venv" / "bin")], nobody, nobody) == {
+            str(top / "private")
+        }
+        assert sandbox_bootstrap.blocked_ancestors([str(top / "private" / "venv")], os.getuid(), os.getgid()) == set()
+    finally:
+        (top / "private").chmod(0o755)
+        subprocess.run(["rm", "-rf", str(top)], check=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

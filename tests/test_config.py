@@ -93,3 +93,40 @@ def test_from_trl_defaults_and_the_defaults_that_differ(tmp_path, caplog):
         trl.log_defaults_differing_from_trl()
     lines = [r.getMessage() for r in caplog.records if "differ from TRL" in r.getMessage()]
     assert len(lines) == 1 and "loss_type='grpo'" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"generation_kwargs": {"max_new_token": 4}}, r"'max_new_token'.*Did you mean 'max_new_tokens'\?"),
+        ({"generation_kwargs": {"learning_rate": 1e-5}}, r"'learning_rate', which is not a GenerationConfig field"),
+        ({"generation_kwargs": {"temperature": 0.5}}, r"generation_kwargs\['temperature'\]=0.5 differs from"),
+        ({"generation_kwargs": {"max_new_tokens": 8}}, r"\['max_new_tokens'\]=8 differs from max_completion_length"),
+        ({"generation_kwargs": {"do_sample": False}}, r"generation_kwargs\['do_sample'\]=False decodes greedily"),
+        ({"generation_kwargs": {"num_return_sequences": 2}}, r"\['num_return_sequences'\]=2.*num_generations"),
+        ({"generation_kwargs": "{top_k: 5}"}, r"generation_kwargs must be a dict or a JSON object string"),
+        ({"chat_template_kwargs": "[1]"}, r"chat_template_kwargs must be a dict"),
+        ({"model_init_kwargs": "nope"}, r"model_init_kwargs must be a dict or a JSON object string"),
+    ],
+)
+def test_config_only_mistakes_are_refused_when_the_config_is_built(overrides, match):
+    """Checks that need only the config run in GRPOConfig(...), not later in the trainer."""
+    with pytest.raises(ValueError, match=match):
+        config(**overrides)
+
+
+def test_dict_fields_are_read_once_into_dicts():
+    built = config(generation_kwargs='{"top_k": 5}', chat_template_kwargs=None, vllm_kwargs='{"seed": 1}')
+    assert built.generation_kwargs == {"top_k": 5} and built.chat_template_kwargs == {}
+    assert built.vllm_kwargs == {"seed": 1} and built.model_init_kwargs == {}
+    assert built.generation_config_for(0, [1]).top_k == 5
+
+
+def test_the_step_settings_are_frozen_and_built_from_the_fields():
+    built = config(top_entropy_quantile=0.2, entropy_coef=0.01, use_vllm=True, vllm_importance_sampling_clip_max=2.0)
+    entropy, correction = built.entropy_settings(), built.sampling_correction()
+    assert entropy.masks_tokens and entropy.top_entropy_quantile == 0.2 and entropy.entropy_coef == 0.01
+    assert (correction.mode, correction.clip_min, correction.clip_max) == ("sequence_mask", None, 2.0)
+    for settings in (built.loss_settings(), entropy, correction):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            settings.__setattr__(dataclasses.fields(settings)[0].name, None)

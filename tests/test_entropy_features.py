@@ -6,6 +6,7 @@ gradients); the per-group backward with the entropy; and the trainer: both log-p
 the formula, evaluation, the adaptive coefficient across steps and across a resume.
 """
 
+import dataclasses
 import itertools
 import math
 import os
@@ -24,6 +25,7 @@ from test_resume import assert_same_run, checkpointed_trainer
 from grpo_hf import GRPOConfig
 from grpo_hf.core import (
     EntropyControl,
+    EntropySettings,
     check_entropy_settings,
     entropy_bonus,
     entropy_from_logits,
@@ -186,12 +188,14 @@ def test_entropy_with_grad_matches_entropy_from_logits_and_the_derivative():
 
 def test_adaptive_coefficient_goes_up_down_and_is_clamped_and_applied_only_at_or_below_target():
     control = EntropyControl(
-        entropy_coef=0.1,
-        use_adaptive_entropy=True,
-        entropy_coef_min=0.05,
-        entropy_coef_max=0.12,
-        entropy_coef_delta=0.015,
-        entropy_target=0.5,
+        EntropySettings(
+            entropy_coef=0.1,
+            use_adaptive_entropy=True,
+            entropy_coef_min=0.05,
+            entropy_coef_max=0.12,
+            entropy_coef_delta=0.015,
+            entropy_target=0.5,
+        )
     )
     assert control.enabled and control.applied == 0.0  # no measurement yet: H = +inf, no bonus in the first step
     # Two micro-batches of one window: the token mean 6 / 3 = 2.0 (the mean of their means would be 2.5).
@@ -216,12 +220,12 @@ def test_adaptive_coefficient_goes_up_down_and_is_clamped_and_applied_only_at_or
         control.step(torch.tensor([3 * h, 3.0]))
         assert (control.entropy_coef, control.applied) == (pytest.approx(coef), pytest.approx(applied)), h
     state = control.state()
-    fresh = EntropyControl(entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=0.5)
+    fresh = EntropyControl(EntropySettings(entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=0.5))
     fresh.load_state(None)  # a checkpoint from before this feature: keep the configured start
     assert (fresh.entropy_coef, fresh.last_entropy) == (0.1, math.inf)
     fresh.load_state(state)
     assert (fresh.entropy_coef, fresh.last_entropy) == (pytest.approx(0.05), pytest.approx(0.6))
-    static = EntropyControl(entropy_coef=0.2, entropy_target=0.0)
+    static = EntropyControl(EntropySettings(entropy_coef=0.2, entropy_target=0.0))
     static.load_state(state)  # a fixed coefficient is the config's, never a checkpoint's
     assert static.enabled and static.applied == 0.2 and not EntropyControl().enabled
 
@@ -245,14 +249,8 @@ def test_settings_are_validated(tmp_path, caplog):
     assert check_entropy_settings(entropy_coef=-0.1)[0].startswith("entropy_coef=-0.1 < 0 penalises entropy")
     defaults = config()
     assert (defaults.top_entropy_quantile, defaults.entropy_coef, defaults.use_adaptive_entropy) == (1.0, 0.0, False)
-    assert defaults.entropy_kwargs() == dict(
-        entropy_coef=0.0,
-        use_adaptive_entropy=False,
-        entropy_coef_min=0.0,
-        entropy_coef_max=1.0,
-        entropy_coef_delta=0.005,
-        entropy_target=0.2,
-    )
+    assert defaults.entropy_settings() == EntropySettings()  # the config's defaults are the settings' own (TRL's)
+    assert dataclasses.astuple(EntropySettings()) == (1.0, "token", 0.0, False, 0.0, 1.0, 0.005, 0.2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+from string import Formatter
 
 import pytest
 
@@ -144,10 +146,11 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         ("grpo_hf.paths", set()),
         ("grpo_hf.peft_utils", set()),
         ("grpo_hf.background", set()),  # the process's event loop for async rewards and tools
+        ("grpo_hf.values", set()),  # `as_dict` and `with_article`, for the config and the input checks alike
         # `vision` (a VLM's per-row image inputs, the forward's vision arguments, its image tokens): torch and
         # transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.vision", set()),
-        # rewards: reward models (rewards/models.py) check their paths with `paths`
+        # rewards: reward models (rewards/reward_models.py) check their paths with `paths`
         ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths", *LEAVES}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
         # server engine stops every process together with its `stop_together`
@@ -164,6 +167,11 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
             },
         ),
         ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision"}),
+        # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
+        # module: not validation, experience, objective, rollout or rewards); `heads`: the fp32 LM head, the MoE
+        # router's loss weight
+        ("grpo_hf.models", {"grpo_hf.paths", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.values"}),
+        ("grpo_hf.heads", {"grpo_hf.peft_utils"}),
     ],
 )
 def test_lower_layers_import_only_what_is_below_them(layer, allowed):
@@ -177,6 +185,23 @@ def test_lower_layers_import_only_what_is_below_them(layer, allowed):
     assert outside == set()
 
 
+PROGRAMS = {  # the modules that run in processes of their own, and what beyond the standard library they import
+    "grpo_hf.rewards.sandbox_bootstrap": set(),
+    "grpo_hf.rewards.sandbox_runner": set(),  # the sandbox's interpreter may not even have grpo_hf
+    "grpo_hf.rewards.sandbox_probe": set(),
+    "grpo_hf.rewards.latex_worker": {"math_verify"},
+}
+
+
+@pytest.mark.parametrize(("program", "allowed"), PROGRAMS.items())
+def test_programs_import_only_the_standard_library(program, allowed):
+    """They start fast, by path, whatever the interpreter has installed: nothing of grpo_hf, torch or the like."""
+    tree = ast.parse(MODULES[program].read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert {name.split(".")[0] for name in imported} - sys.stdlib_module_names - allowed == set()
+
+
 def test_nothing_imports_the_trainer():
     # The package's `__init__` imports it under TYPE_CHECKING only, for the types of its lazy exports.
     importers = [name for name, imported in ALL_IMPORTS.items() if "grpo_hf.trainer" in imported]
@@ -188,3 +213,112 @@ def test_the_layout_check_sees_imports():
     wired = {"grpo_hf.experience", "grpo_hf.logprobs", "grpo_hf.core", "grpo_hf.checkpoint"}
     assert wired <= IMPORTS["grpo_hf.trainer"]
     assert "grpo_hf.core" in IMPORTS["grpo_hf.logprobs"] and "grpo_hf.trainer" not in IMPORTS["grpo_hf.experience"]
+
+
+# ---- settings: checked once, when the config is built, and read by the step as frozen objects -----------------------
+def reads_of_args(source: str) -> list[str]:
+    """Each `args.<name>` attribute read or write (`args` itself or `self.args`) in `source`."""
+    return sorted(
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("args", "self.args")
+    )
+
+
+def writes_to_args(source: str) -> list[str]:
+    """Each assignment to an attribute of `args` / `self.args` (`args.x.y = ...` too), and `setattr(args, ...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            text = ast.unparse(target)
+            if isinstance(target, ast.Attribute) and text.startswith(("args.", "self.args.")):
+                found.append(text)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+            if ast.unparse(node.args[0]) in ("args", "self.args"):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_config_and_validation_import_nothing_of_each_other():
+    assert "grpo_hf.config" not in ALL_IMPORTS["grpo_hf.validation"]
+    assert "grpo_hf.validation" not in ALL_IMPORTS["grpo_hf.config"]
+
+
+@pytest.mark.parametrize("module", ["grpo_hf.objective", "grpo_hf.logprobs"])
+def test_the_loss_and_the_log_probs_read_frozen_settings_not_the_config(module):
+    assert reads_of_args(MODULES[module].read_text()) == []
+
+
+def test_nothing_edits_the_config_after_it_is_built():
+    edits = {
+        name: found
+        for name, path in MODULES.items()
+        if name not in ("grpo_hf.config", "grpo_hf.vllm_config") and (found := writes_to_args(path.read_text()))
+    }
+    assert edits == {}
+
+
+def test_the_settings_checks_see_reads_and_edits():
+    assert reads_of_args("x = self.args.beta\ny = args.loss_settings()") == ["args.loss_settings", "self.args.beta"]
+    source = "args.accelerator_config.dispatch_batches = False\nsetattr(args, 'x', 1)\nself.args.beta += 1"
+    assert sorted(writes_to_args(source)) == [
+        "args.accelerator_config.dispatch_batches",
+        "self.args.beta",
+        "setattr(args, 'x', 1)",
+    ]
+
+
+def reads_as_a_program(text: str) -> bool:
+    """Whether `text` is Python with an import, a def or a class in it: a program, not a message or an expression.
+    A template's `{fields}` (str.format) are read as names first."""
+    variants = [text]
+    try:
+        variants.append(
+            "".join(literal + ("_" if field is not None else "") for literal, field, _, _ in Formatter().parse(text))
+        )
+    except ValueError:  # not a valid template
+        pass
+    for variant in variants:
+        try:
+            tree = ast.parse(variant)
+        except (SyntaxError, ValueError):
+            continue
+        if any(
+            isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef) for node in ast.walk(tree)
+        ):
+            return True
+    return False
+
+
+def programs_in_strings(source: str) -> list[int]:
+    """The lines of `source` where a string constant or an f-string holds a program (`reads_as_a_program`; an
+    f-string's replacement fields read as names)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        elif isinstance(node, ast.JoinedStr):
+            text = "".join(part.value if isinstance(part, ast.Constant) else "_" for part in node.values)
+        else:
+            continue
+        if reads_as_a_program(text):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_no_module_holds_a_program_in_a_string():
+    """A program is a module of its own (rewards/sandbox_runner.py, ...), so the linter and the tests read it."""
+    found = {name: lines for name, path in MODULES.items() if (lines := programs_in_strings(path.read_text()))}
+    assert found == {}
+
+
+def test_the_program_check_finds_programs():
+    assert programs_in_strings('RUNNER = """import os, sys\n\ndef run():\n    pass\n"""') == [1]
+    assert programs_in_strings("PROBE = '''\nimport os\nassert os.getpid() == {pid!r}\n'''") == [1]
+    assert programs_in_strings("script = f'import json; print(json.dumps({value!r}))'") == [1]
+    assert programs_in_strings("x = 'import os'") == [1]
+    messages = "a = 'pass the tokenizer itself: AutoTokenizer.from_pretrained(path)'\nb = 'x + 1'\nc = '{n} rows'"
+    assert programs_in_strings(messages) == []

@@ -4,6 +4,7 @@ The accuracy reward for GSM8K is untouched (tests/test_rewards.py); these pairs 
 fractions against decimals, `\dfrac`, radicals, intervals, sets, units and degrees.
 """
 
+import io
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from grpo_hf.rewards import (
     extract_latex_answer,
     extract_latex_gold,
     get_reward_funcs,
+    latex_worker,
     make_math_accuracy_reward,
 )
 
@@ -153,6 +155,16 @@ def test_a_hanging_comparison_scores_zero_within_its_timeout_and_the_next_one_wo
         assert reward(["q"], [r"\boxed{\frac{6}{4}}"], answer=["1.5"]) == [1.0]  # on a new worker
     finally:
         reward.close()
+
+
+def test_the_worker_module_judges_directly():
+    """`latex_worker` imported here: the verdicts it sends, one line per `[gold, prediction]` after `ready`."""
+    judge = latex_worker.Judge()
+    assert judge("\\frac{1}{2}", "0.5") is True and judge("2", "3") is False
+    assert judge("", "3") is None  # math-verify cannot read the gold
+    out = io.StringIO()
+    latex_worker.serve(judge, ['["1.5", "\\\\frac{3}{2}"]\n', '["x = 5", "6"]\n'], out)
+    assert out.getvalue() == "ready\ntrue\nfalse\n"
 
 
 def test_registry_and_the_gsm8k_accuracy_reward_is_unchanged():

@@ -175,6 +175,35 @@ def test_cited_paths_names_and_commands_exist(document):
         assert target in targets, f"{_name(document)} cites make {target}, which the Makefile does not define"
 
 
+BENCHMARK_COMMAND = re.compile(r"benchmarks/(\w+\.(?:py|sh))([^#`|]*)")
+
+
+@pytest.mark.parametrize(
+    "document", [*DOCUMENTS, ROOT / "Makefile", ROOT / "benchmarks" / "gpu_first_run.sh"], ids=_name
+)
+def test_cited_benchmark_commands_take_their_flags_and_configs(document):
+    """Every benchmark command a page cites names flags its script defines (and `--configs` / `--config` it has), so
+    that each quoted figure names a command that still runs."""
+    text = _read(document).replace("\\\n", " ")  # shell continuation lines
+    pieces = [line for block in (_code(text) if document.suffix == ".md" else [text]) for line in block.splitlines()]
+    configs = set(re.findall(r'^    "(\w+)": dict\(task=', _read(ROOT / "benchmarks" / "_worker.py"), re.M))
+    for piece in pieces:
+        for script, rest in BENCHMARK_COMMAND.findall(piece):
+            source = _read(ROOT / "benchmarks" / script)
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                assert f'"{flag}"' in source, (
+                    f"{_name(document)} runs benchmarks/{script} {flag}, which it does not take"
+                )
+            for names in (
+                re.findall(r"--configs? ([\w,]+)", rest)
+                if script == "vs_trl.py" or script == "profile_step.py"
+                else []
+            ):
+                assert set(names.split(",")) <= configs, (
+                    f"{_name(document)}: benchmarks/{script} has no config {names}"
+                )
+
+
 @pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
 def test_python_examples_compile(document):
     for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", _read(document), re.M | re.S)):

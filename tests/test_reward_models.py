@@ -6,7 +6,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from grpo_hf.rewards import compute_rewards, reward_func_name
-from grpo_hf.rewards.models import RewardModel, load_reward_model
+from grpo_hf.rewards.reward_models import RewardModel, load_reward_model
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 

@@ -150,12 +150,14 @@ def test_evaluate_on_streams_equals_evaluate_on_datasets(tmp_path, tokenizer):
 
 def test_a_stream_gets_one_loader_worker_and_no_dispatching(tmp_path, tokenizer, caplog):
     stream = make_dataset().to_iterable_dataset()
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.streams"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.validation"):
         args = tiny_run_args(tmp_path, TRAINING, dataloader_num_workers=2)
         trainer = make_trainer(args, id_sum_reward, stream, tokenizer=tokenizer)
-    assert "dataloader_num_workers=2 is set to 0" in caplog.text
-    assert trainer.args.dataloader_num_workers == 0 and trainer.args.accelerator_config.dispatch_batches is False
+    assert "dataloader_num_workers=2 does not apply to it" in caplog.text
     assert trainer.get_train_dataloader().num_workers == 0
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    # the config is the user's, as built: the trainer's loader settings are its own
+    assert trainer.args.dataloader_num_workers == 2 and trainer.args.accelerator_config.dispatch_batches is None
 
     # an eval stream: its own loader reads with one worker; the map-style train set keeps its workers
     args = tiny_run_args(tmp_path, TRAINING, dataloader_num_workers=2, per_device_eval_batch_size=4)
@@ -169,7 +171,7 @@ def test_a_stream_gets_one_loader_worker_and_no_dispatching(tmp_path, tokenizer,
     )
     assert trainer.get_train_dataloader().num_workers == 2
     assert trainer.get_eval_dataloader().num_workers == 0
-    assert trainer.args.dataloader_num_workers == 2 and trainer.args.dataloader_persistent_workers is False
+    assert trainer.args.dataloader_num_workers == 2
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 
 from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.core import SamplingCorrection
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.rollout import RolloutEngine, register_engine
 from grpo_hf.rollout.batching import pad_token_lists
@@ -695,7 +696,7 @@ def test_rollout_func_env_mask_and_logprobs(tmp_path):
     assert trainer._metrics["train"]["completions/mean_length"] == [3.0]  # the model's tokens only
 
     # With the sampler's correction on (as with use_vllm=True), the weight pi_old / pi_sampler reads those log-probs
-    trainer.args.sampling_correction_kwargs = lambda: {"mode": "token_truncate", "clip_min": None, "clip_max": 1e9}
+    trainer.objective.correction = SamplingCorrection("token_truncate", clip_min=None, clip_max=1e9)
     logps = torch.full_like(batch.sampling_logps, -2.0)
     weight, metrics = trainer.objective.sampling_weight(logps, batch)
     expected = torch.exp(torch.tensor([-2.0, 0.0, 0.0, -2.0, -2.0]) - torch.tensor([-1.0, 0.0, 0.0, -4.0, -5.0]))

@@ -23,8 +23,8 @@ from transformers import (
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.config import TRL_DEFAULTS
 from grpo_hf.core import decoupled_advantages, group_advantages, grpo_loss_with
+from grpo_hf.heads import FP32LMHead, cast_lm_head_to_fp32
 from grpo_hf.logprobs import padded_logps
-from grpo_hf.models import FP32LMHead, cast_lm_head_to_fp32
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import Sequences, split_into_micro_batches

@@ -7,6 +7,7 @@ from functools import partial
 import pytest
 from conftest import tiny_run_args
 
+from grpo_hf.core import SamplingCorrection
 from grpo_hf.rollout.vllm_engine import VLLMEngine
 from grpo_hf.vllm_config import VLLMArguments
 
@@ -39,12 +40,9 @@ def test_the_deprecated_cap_sets_clip_max(tmp_path):
     with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
         config = _config(tmp_path, use_vllm=True, vllm_importance_sampling_cap=2.0)
     assert config.vllm_importance_sampling_clip_max == 2.0
-    assert config.sampling_correction_kwargs() == {"mode": "sequence_mask", "clip_min": None, "clip_max": 2.0}
-    assert _config(tmp_path).sampling_correction_kwargs() is None  # no vLLM: no correction
-    assert (
-        _config(tmp_path, use_vllm=True, vllm_importance_sampling_correction=False).sampling_correction_kwargs()
-        is None
-    )
+    assert config.sampling_correction() == SamplingCorrection("sequence_mask", clip_min=None, clip_max=2.0)
+    assert _config(tmp_path).sampling_correction() is None  # no vLLM: no correction
+    assert _config(tmp_path, use_vllm=True, vllm_importance_sampling_correction=False).sampling_correction() is None
 
 
 @pytest.mark.parametrize(

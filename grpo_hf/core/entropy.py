@@ -7,7 +7,7 @@ completion token. The entropy itself comes from `grpo_hf.core.logits`.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -55,37 +55,116 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float) -> Tensor:
     return coef * (entropy * mask).sum() / mask.sum().clamp(min=1)
 
 
-@dataclass
-class EntropyControl:
-    """The coefficient c of `entropy_bonus`: `entropy_coef` as given, or adapted once per optimizer step
-    (Skywork-OR1, He et al. 2025, arXiv:2505.22312, as TRL 1.16 runs it) when `use_adaptive_entropy`.
+@dataclass(frozen=True)
+class EntropySettings:
+    """The entropy terms' settings (`GRPOConfig`'s names, TRL's), checked when built: the high-entropy token mask's
+    `top_entropy_quantile` and the bonus's coefficient, fixed or adaptive (`EntropyControl` runs it). Building one
+    raises ValueError for settings that cannot run; `warnings()` lists the ones that probably mislead."""
 
-    Adaptive: after each optimizer step, with H_w the entropy of its whole accumulation window (token mean over the
-    policy-term tokens of every micro-batch on every process: `accumulate`, then `step` with the summed totals),
-        c <- min(c + entropy_coef_delta, entropy_coef_max)   if H_w <= entropy_target
-        c <- max(c - entropy_coef_delta, entropy_coef_min)   otherwise
-    and the next step's bonus uses `applied` = c if H_w <= entropy_target else 0; before the first measurement H_w
-    is +inf, so the first step has no bonus. Field names are GRPOConfig's (TRL's); `entropy_coef` is the current c.
-    """
-
+    top_entropy_quantile: float = 1.0
+    importance_sampling_level: str = "token"
     entropy_coef: float = 0.0
     use_adaptive_entropy: bool = False
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
     entropy_coef_delta: float = 0.005
     entropy_target: float = 0.2
+
+    def __post_init__(self) -> None:
+        for failed, message in self._errors():
+            if failed:
+                raise ValueError(message)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether the policy term is trained on the high-entropy tokens only (`top_entropy_quantile` < 1)."""
+        return self.top_entropy_quantile < 1.0
+
+    def _errors(self) -> list[tuple[bool, str]]:
+        quantile, coef_min, coef_max = self.top_entropy_quantile, self.entropy_coef_min, self.entropy_coef_max
+        numbers = (quantile, self.entropy_coef, coef_min, coef_max, self.entropy_coef_delta)
+        return [
+            (
+                not all(math.isfinite(value) for value in numbers) or math.isnan(self.entropy_target),
+                "top_entropy_quantile, entropy_coef, entropy_coef_min, entropy_coef_max, entropy_coef_delta must be "
+                f"finite and entropy_target a number, got {(*numbers, self.entropy_target)}",
+            ),
+            (
+                not 0.0 <= quantile <= 1.0,
+                f"top_entropy_quantile={quantile} must be in [0, 1]: the fraction of completion tokens, by "
+                "entropy, whose policy term is trained (1.0: all; the paper uses 0.2)",
+            ),
+            (
+                quantile < 1.0 and self.importance_sampling_level == "sequence_sum",
+                "top_entropy_quantile < 1 masks tokens, but importance_sampling_level='sequence_sum' has one policy "
+                "term per sequence: use 'token' or 'sequence', or top_entropy_quantile=1.0",
+            ),
+            (coef_min > coef_max, f"entropy_coef_min={coef_min} > entropy_coef_max={coef_max}: swap them"),
+            (
+                self.entropy_coef_delta < 0,
+                f"entropy_coef_delta={self.entropy_coef_delta} must be >= 0 (the coefficient's step)",
+            ),
+        ]
+
+    def warnings(self) -> list[str]:
+        """Messages for settings that run but probably mislead; the caller shows them."""
+        adaptive, coef, target = self.use_adaptive_entropy, self.entropy_coef, self.entropy_target
+        low, high = self.entropy_coef_min, self.entropy_coef_max
+        advice = [
+            (
+                adaptive and not low <= coef <= high,
+                f"use_adaptive_entropy=True starts from entropy_coef={coef}, outside [entropy_coef_min, "
+                f"entropy_coef_max] = [{low}, {high}]: the first update clamps it into range.",
+            ),
+            (
+                adaptive and target <= 0,
+                f"entropy_target={target} <= 0: the mean entropy is never below it, so the adaptive bonus never "
+                "applies. Set it near the `entropy` you observe early in training.",
+            ),
+            (
+                not adaptive and coef < 0,
+                f"entropy_coef={coef} < 0 penalises entropy (the loss grows with it): the bonus needs > 0.",
+            ),
+        ]
+        return [message for applies, message in advice if applies]
+
+
+@dataclass
+class EntropyControl:
+    """The coefficient c of `entropy_bonus` during a run: `settings.entropy_coef` as given, or adapted once per
+    optimizer step (Skywork-OR1, He et al. 2025, arXiv:2505.22312, as TRL 1.16 runs it) when
+    `settings.use_adaptive_entropy`.
+
+    Adaptive: after each optimizer step, with H_w the entropy of its whole accumulation window (token mean over the
+    policy-term tokens of every micro-batch on every process: `accumulate`, then `step` with the summed totals),
+        c <- min(c + entropy_coef_delta, entropy_coef_max)   if H_w <= entropy_target
+        c <- max(c - entropy_coef_delta, entropy_coef_min)   otherwise
+    and the next step's bonus uses `applied` = c if H_w <= entropy_target else 0; before the first measurement H_w
+    is +inf, so the first step has no bonus. `entropy_coef` is the current c (it starts at the settings').
+    """
+
+    settings: EntropySettings = field(default_factory=lambda: EntropySettings())
+    entropy_coef: float | None = None  # c; None: the settings' entropy_coef
     last_entropy: float = math.inf  # H_w of the last optimizer step
     window: Tensor | None = None  # [2]: sum m H and sum m of this accumulation window so far (this process)
+
+    def __post_init__(self) -> None:
+        if self.entropy_coef is None:
+            self.entropy_coef = self.settings.entropy_coef
+
+    @property
+    def adaptive(self) -> bool:
+        return self.settings.use_adaptive_entropy
 
     @property
     def enabled(self) -> bool:
         """Whether the loss has an entropy term at all (TRL: a non-zero coefficient, or adaptive control)."""
-        return self.entropy_coef != 0 or self.use_adaptive_entropy
+        return self.entropy_coef != 0 or self.adaptive
 
     @property
     def applied(self) -> float:
         """The coefficient of this step's bonus."""
-        if self.use_adaptive_entropy and not self.last_entropy <= self.entropy_target:
+        if self.adaptive and not self.last_entropy <= self.settings.entropy_target:
             return 0.0
         return self.entropy_coef
 
@@ -97,75 +176,24 @@ class EntropyControl:
 
     def step(self, totals: Tensor) -> None:
         """End of an optimizer step: `totals` = `window` summed over the processes -> H_w; update c; clear `window`."""
+        settings = self.settings
         self.last_entropy = (totals[0] / totals[1].clamp(min=1)).item()
-        if self.last_entropy <= self.entropy_target:
-            self.entropy_coef = min(self.entropy_coef + self.entropy_coef_delta, self.entropy_coef_max)
+        if self.last_entropy <= settings.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + settings.entropy_coef_delta, settings.entropy_coef_max)
         else:
-            self.entropy_coef = max(self.entropy_coef - self.entropy_coef_delta, self.entropy_coef_min)
+            self.entropy_coef = max(self.entropy_coef - settings.entropy_coef_delta, settings.entropy_coef_min)
         self.window = None
 
     def state(self) -> dict[str, float]:
         return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}
 
     def load_state(self, state: dict[str, float] | None) -> None:
-        """Restore `state()` of a checkpoint (adaptive control only; None, from an older checkpoint: keep)."""
-        if state is not None and self.use_adaptive_entropy:
+        """Restore `state()` of a checkpoint (adaptive control only; a checkpoint without it: keep)."""
+        if state is not None and self.adaptive:
             self.entropy_coef, self.last_entropy = state["entropy_coef"], state["last_entropy"]
 
 
-def check_entropy_settings(
-    *,
-    top_entropy_quantile: float = 1.0,
-    importance_sampling_level: str = "token",
-    entropy_coef: float = 0.0,
-    use_adaptive_entropy: bool = False,
-    entropy_coef_min: float = 0.0,
-    entropy_coef_max: float = 1.0,
-    entropy_coef_delta: float = 0.005,
-    entropy_target: float = 0.2,
-) -> list[str]:
+def check_entropy_settings(**settings) -> list[str]:
     """Raise ValueError for entropy settings that cannot run; return warnings for ones that probably mislead.
-    Takes `GRPOConfig`'s field names (TRL's)."""
-    numbers = (top_entropy_quantile, entropy_coef, entropy_coef_min, entropy_coef_max, entropy_coef_delta)
-    errors = [
-        (
-            not all(math.isfinite(value) for value in numbers) or math.isnan(entropy_target),
-            "top_entropy_quantile, entropy_coef, entropy_coef_min, entropy_coef_max, entropy_coef_delta must be "
-            f"finite and entropy_target a number, got {(*numbers, entropy_target)}",
-        ),
-        (
-            not 0.0 <= top_entropy_quantile <= 1.0,
-            f"top_entropy_quantile={top_entropy_quantile} must be in [0, 1]: the fraction of completion tokens, by "
-            "entropy, whose policy term is trained (1.0: all; the paper uses 0.2)",
-        ),
-        (
-            top_entropy_quantile < 1.0 and importance_sampling_level == "sequence_sum",
-            "top_entropy_quantile < 1 masks tokens, but importance_sampling_level='sequence_sum' has one policy term "
-            "per sequence: use 'token' or 'sequence', or top_entropy_quantile=1.0",
-        ),
-        (
-            entropy_coef_min > entropy_coef_max,
-            f"entropy_coef_min={entropy_coef_min} > entropy_coef_max={entropy_coef_max}: swap them",
-        ),
-        (entropy_coef_delta < 0, f"entropy_coef_delta={entropy_coef_delta} must be >= 0 (the coefficient's step)"),
-    ]
-    for failed, message in errors:
-        if failed:
-            raise ValueError(message)
-    advice = [
-        (
-            use_adaptive_entropy and not entropy_coef_min <= entropy_coef <= entropy_coef_max,
-            f"use_adaptive_entropy=True starts from entropy_coef={entropy_coef}, outside [entropy_coef_min, "
-            f"entropy_coef_max] = [{entropy_coef_min}, {entropy_coef_max}]: the first update clamps it into range.",
-        ),
-        (
-            use_adaptive_entropy and entropy_target <= 0,
-            f"entropy_target={entropy_target} <= 0: the mean entropy is never below it, so the adaptive bonus never "
-            "applies. Set it near the `entropy` you observe early in training.",
-        ),
-        (
-            not use_adaptive_entropy and entropy_coef < 0,
-            f"entropy_coef={entropy_coef} < 0 penalises entropy (the loss grows with it): the bonus needs > 0.",
-        ),
-    ]
-    return [message for applies, message in advice if applies]
+    Takes `EntropySettings`' fields (`GRPOConfig`'s names, TRL's): `EntropySettings(**settings).warnings()`."""
+    return EntropySettings(**settings).warnings()

@@ -99,6 +99,7 @@ Where TRL 1.16, and so this code, departs from the papers:
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -466,6 +467,42 @@ def _check_inputs(
 # ---------------------------------------------------------------------------------------------------------------
 
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass(frozen=True)
+class SamplingCorrection:
+    """The settings of `sampling_importance_weights` (`GRPOConfig`'s `vllm_importance_sampling_mode`,
+    `vllm_importance_sampling_clip_min` and `_clip_max`), checked when built: a known mode, a lower bound below the
+    upper, and a bound at all where the mode truncates."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+    def __post_init__(self) -> None:
+        check_choice("vllm_importance_sampling_mode", self.mode, SAMPLING_CORRECTION_MODES)
+        low, high = self.clip_min, self.clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={low} must be less than vllm_importance_sampling_clip_max={high}."
+            )
+        if self.mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.mode!r} truncates the ratio, but both bounds are None. Set "
+                "vllm_importance_sampling_clip_max (TRL's default: 3.0) or clip_min."
+            )
+
+    @property
+    def per_token(self) -> bool:
+        return self.mode.startswith("token")
+
+    def weights(
+        self, old_logps: Tensor, sampling_logps: Tensor, completion_mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`sampling_importance_weights` under these settings."""
+        return sampling_importance_weights(
+            old_logps, sampling_logps, completion_mask, self.mode, self.clip_min, self.clip_max
+        )
 
 
 def sampling_importance_weights(

@@ -17,6 +17,14 @@ The package, one job per module:
 - `latex`: `math_accuracy`, LaTeX answers compared by mathematical equivalence (math-verify, in a worker process).
 - `sandbox` and `code`: `code` / `code_pass_rate`, the completion's Python run against the row's tests in a
   confined subprocess.
+- `reward_models`: a sequence-classification model as a reward function (`RewardModel`); it imports torch and
+  transformers, so this package does not import it.
+
+Four modules are programs that run in processes of their own, on the standard library only (the worker adds
+math-verify): `sandbox_bootstrap` (sets up one execution's sandbox; run by path), `sandbox_runner` (runs the code and
+the tests inside it; its source is sent to the sandbox's interpreter), `sandbox_probe` (the interpreter's directories,
+and the checks `Sandbox.check` runs inside a sandbox) and `latex_worker` (math-verify's comparisons, for `latex`; run
+by path). Tests import them like any module.
 
 Importing `grpo_hf.rewards` loads only the standard library: no torch, no transformers, no sympy.
 """

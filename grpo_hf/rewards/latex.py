@@ -20,8 +20,9 @@ Equivalence is math-verify's `verify(gold, prediction)` on `\boxed{...}`-wrapped
 `\dfrac` = `\frac`, simplified radicals, intervals, sets, equations `x = 5` against `5`, units and `^\circ` dropped,
 percent); identical strings (ignoring spaces) match without asking. sympy can hang on hostile input, and
 math-verify's own timeouts use `signal.alarm`, which works only in the main thread, so the comparisons run in a
-worker process: one that takes longer than `timeout` seconds is scored 0.0 and the worker is restarted. The worker
-starts on first use and exits with this process; this module itself imports neither sympy nor math-verify.
+worker process (`latex_worker.py`): one that takes longer than `timeout` seconds is scored 0.0 and the worker is
+restarted. The worker starts on first use and exits with this process; this module itself imports neither sympy nor
+math-verify.
 """
 
 from __future__ import annotations
@@ -180,53 +181,7 @@ def extract_latex_gold(gold: Any) -> str | None:
 # The math-verify worker
 # ---------------------------------------------------------------------------------------------------------------------
 
-# Reads JSON lines [gold, prediction]; answers true / false / null (null: math-verify cannot read the gold).
-_WORKER = r"""# grpo_hf-math-verify-worker
-import json, logging, os, resource, sys, time
-
-# A watcher (this process, before importing anything heavy) kills the worker (its child) when the training process
-# dies, even in the middle of a comparison that holds the GIL; the worker dies with the watcher (PR_SET_PDEATHSIG).
-trainer, watcher = os.getppid(), os.getpid()
-worker = os.fork()
-if worker:
-    os.close(0)
-    os.close(1)
-    while os.waitpid(worker, os.WNOHANG) == (0, 0):
-        if os.getppid() != trainer:
-            os.kill(worker, 9)
-        time.sleep(0.5)
-    os._exit(0)
-try:
-    import ctypes
-    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
-except (OSError, AttributeError):
-    pass
-if os.getppid() != watcher:
-    os._exit(0)
-limit = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # a huge power such as 10^{10^{10}} fails, not the machine
-logging.disable(logging.WARNING)
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-
-
-def read(answer):
-    return parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=None)
-
-
-sys.stdout.write("ready\n")
-sys.stdout.flush()
-for line in sys.stdin:
-    gold, prediction = json.loads(line)
-    try:
-        parsed_gold = read(gold)
-        result = bool(verify(parsed_gold, read(prediction), timeout_seconds=None)) if parsed_gold else None
-    except (Exception, MemoryError, RecursionError):
-        result = False
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
-"""
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "latex_worker.py")  # run by path
 _STARTUP_TIMEOUT = 120.0  # importing sympy on a loaded machine
 
 
@@ -255,7 +210,7 @@ class _MathVerifier:
     def _start(self) -> None:
         with tempfile.TemporaryFile() as stderr:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER, str(self.memory_bytes)],
+                [sys.executable, _WORKER, str(self.memory_bytes)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

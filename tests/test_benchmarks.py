@@ -1,0 +1,94 @@
+"""The benchmark scripts run: the one worker trains a tiny step with each trainer and records what `vs_trl.py`
+summarises, and `vs_trl.py`'s summary reads those records as documented (docs/benchmarks.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _worker  # noqa: E402
+import vs_trl  # noqa: E402
+
+
+def run_script(*command: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize("impl", ["trl", "grpo_hf"])
+def test_the_worker_trains_one_tiny_step_and_records_it(tmp_path, impl):
+    out = tmp_path / "run.json"
+    options = ["--impl", impl, "--config", "a", "--tiny", "--steps", "1", "--out", str(out)]
+    result = run_script("benchmarks/_worker.py", *options, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["status"] == "ok" and len(record["step_seconds"]) == 1 and record["step_seconds"][0] > 0
+    # generation timed inside the step: 2 prompts x G=2, up to 8 tokens each
+    assert 0 < record["generate_seconds"][0] < record["step_seconds"][0]
+    assert 1 <= record["decode_steps"][0] <= 8 and len(record["rewards"]) == 1
+    assert 0 < record["completion_tokens"][0] <= 4 * 8
+    assert record["peak_rss_mib"] > record["rss_start_mib"] > 0 and "peak_cuda_mib" not in record
+    assert record["engine"] == ("model.generate" if impl == "trl" else "loop")
+    if impl == "grpo_hf":  # where the step went (profile_step.py): generation and the reference forward inside it
+        assert record["fast_path"] is True and any("rollout engine: loop" in line for line in record["engine_log"])
+        phases = record["phases"][0]
+        assert (
+            phases["training_step"] > record["generate_seconds"][0] + phases["rewards"] + phases["no-grad log-probs"]
+        )
+        assert phases["no-grad log-probs"] > 0 and phases["training_step"] < record["step_seconds"][0]
+
+
+def test_the_summary_times_whole_rounds_after_the_first_and_compares_to_the_first_trainer():
+    """num_iterations=2: a round is a generating step and a reusing one, averaged; the first round is not timed."""
+    run = {
+        "status": "ok", "engine": "loop", "step_seconds": [9.0, 9.0, 4.0, 2.0, 6.0, 4.0],
+        "generate_seconds": [5.0, 0.0, 2.0, 0.0, 3.0, 0.0], "decode_steps": [8, 0, 10, 0, 10, 0],
+        "completion_tokens": [50.0, 0.0, 60.0, 0.0, 90.0, 0.0], "rewards": [0.0, 0.5, 1.0],
+        "peak_rss_mib": 1000.0,
+    }  # fmt: skip
+    s = vs_trl.summarise([run], num_iterations=2)
+    assert s["s_per_step"] == pytest.approx(4.0)  # median of (4 + 2) / 2 and (6 + 4) / 2
+    assert s["generate_s_per_step"] == pytest.approx(1.25)  # median of 2 / 2 and 3 / 2
+    assert s["decode_ms_per_token"] == pytest.approx(1000 * 5.0 / 20)
+    assert s["tokens_per_s"] == pytest.approx(150.0 / 16.0) and s["first_step_s"] == 9.0
+    assert s["rss_mib"] == 1000.0 and s["reward"] == pytest.approx(0.5)
+    faster = {**s, "s_per_step": 2.0, "rss_mib": 500.0}
+    assert vs_trl.compare(s, faster, "s_per_step", "faster") == "0.50x time (2.00x faster)"
+    assert vs_trl.compare(s, faster, "rss_mib", "x") == "0.50x"
+    assert vs_trl.summarise([{**run, "status": "oom"}], 2) == {"status": "OOM"}
+
+
+def test_a_lost_cuda_graph_is_named_so_that_it_cannot_pass_for_a_slow_engine():
+    replayed = {"compile": {"cudagraph_skips": 0}, "engine_log": [], "replay_decode_steps": 256, "graph_launches": 255}
+    assert _worker.lost_graph(replayed) is None  # the first token is eager
+    assert "skipped CUDA graphs 2 time(s)" in _worker.lost_graph({**replayed, "compile": {"cudagraph_skips": 2}})
+    assert "3 CUDA graph launches for 256 decoded tokens" in _worker.lost_graph({**replayed, "graph_launches": 3})
+    eager = {**replayed, "engine_log": ["WARNING: cuda_graph: the 64-row bucket runs eagerly: ..."]}
+    assert "runs eagerly" in _worker.lost_graph(eager)
+
+
+@pytest.mark.benchmark
+def test_every_config_and_layout_runs_end_to_end_at_tiny_size():
+    configs = "a,b,J3,tools,vlm_frozen"
+    result = run_script(
+        "benchmarks/vs_trl.py", "--tiny", "--configs", configs, "--reps", "1", "--rollouts", "2", timeout=1800
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (
+        result.stdout.strip().splitlines()[-1].startswith("speedup=") and "nan" not in result.stdout.splitlines()[-1]
+    )
+    for compare, row in (("ddp", "| 2 processes, padded |"), ("fsdp2", "| FSDP2 | 1 |")):
+        result = run_script(
+            "benchmarks/multi_process.py", "--tiny", "--steps", "2", "--compare", compare, timeout=1800
+        )
+        assert result.returncode == 0 and row in result.stdout, result.stderr[-3000:]
+    result = run_script("benchmarks/profile_step.py", "--tiny", "--config", "J1", "--steps", "2", timeout=600)
+    assert result.returncode == 0 and "| total |" in result.stdout, result.stderr[-3000:]
