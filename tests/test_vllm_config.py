@@ -165,3 +165,21 @@ def test_a_completion_cut_by_vllms_window_is_never_silent():
     check_not_cut([([1] * 8, [], "length"), ([1, 2], [], "stop")], max_tokens=8, max_model_len=None)  # both fine
     with pytest.raises(ValueError, match=r"vLLM ended 1 completion\(s\) at its context window \(16 tokens\) after 4"):
         check_not_cut([([1] * 4, [], "length"), ([1] * 8, [], "length")], max_tokens=8, max_model_len=16)
+
+
+def test_server_mode_refuses_tied_embeddings_trained_apart(tmp_path, tokenizer):
+    """LoRA with modules_to_save=["embed_tokens", "lm_head"] on a tied model trains two copies; a server started from
+    the tied checkpoint would hold one, so server mode refuses it, saying what to do (colocate starts vLLM untied)."""
+    from conftest import build_tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_hf.rollout.vllm_engine import trains_tied_weights_apart
+
+    model = build_tiny_model(tokenizer, tied=True)
+    assert not trains_tied_weights_apart(model)  # plainly tied: one tensor in the trainer as in vLLM
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    peft_model = get_peft_model(model, config)
+    assert trains_tied_weights_apart(peft_model)
+    engine = VLLMEngine(None, [0], args=_config(tmp_path, use_vllm=True, vllm_mode="server"))
+    with pytest.raises(ValueError, match="Use vllm_mode='colocate'.*ensure_weight_tying=True"):
+        engine._make_backend(peft_model)
