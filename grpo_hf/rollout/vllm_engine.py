@@ -11,6 +11,10 @@ trainer keeps as `sampling_logps` for the importance-sampling correction (`core.
   OpenAI completions route and hands each process its rows; it pushes the weights as safetensors shards in a
   directory the server can read, then `/collective_rpc` `reload_weights(weights_path=...)`.
 
+`close()` (called at the end of `train()`) releases vLLM, leaving nothing of it alive (`_release`); the next rollout
+starts it again. Colocate mode starts vLLM untied when the trainer trains a tied head and embeddings apart
+(`trains_tied_weights_apart`: LoRA's `modules_to_save`); server mode refuses that.
+
 Sampling follows the other engines: temperature, top_p, top_k, min_p and repetition_penalty as `model.generate`
 resolves them (the config's, else the model's generation_config, else transformers' defaults), `max_new_tokens`,
 stopping at the model's EOS tokens; `do_sample=False` is greedy. vLLM's log-probs are its processed ones (after
@@ -110,8 +114,8 @@ class VLLMEngine(RolloutEngine):
                     "The policy's config ties lm_head to embed_tokens, but the trainer trains them as two copies "
                     "(LoRA with modules_to_save covering embed_tokens or lm_head). A vLLM server started from the "
                     "tied checkpoint holds one tensor for both, so it would sample from a model the trainer does not "
-                    "have. "
-                    "Use vllm_mode='colocate' (it starts vLLM untied), set ensure_weight_tying=True in the LoraConfig "
+                    "have. Use vllm_mode='colocate' (it starts vLLM untied), set ensure_weight_tying=True in the "
+                    "LoraConfig "
                     "(one trained copy), or start the server from a checkpoint saved with tie_word_embeddings=False."
                 )
             return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
