@@ -6,7 +6,8 @@ Each is given the objects it acts on when it is built, never the trainer:
   `guards.NonfiniteGuard`).
 - `StopTogether`: stops every process at the same step on SIGTERM / Ctrl-C (`checkpoint.StopRequest`).
 - `RefreshRolloutWeights`: tells the rollout engine that the policy's weights changed (and at the start of
-  training, for a resumed run's).
+  training, for a resumed run's); at the end of training, releases what the engine holds (vLLM's engine and its
+  memory), so that a second trainer in the process starts from the memory the first one started from.
 - `AnnounceStart`: at the start of training, logs the log-prob path and aligns the precision guard's step count
   (a resumed run measures at the same steps as an unbroken one).
 - `SyncReference`: TR-DPO's reference update (`sync_ref_model`).
@@ -52,16 +53,20 @@ class StopTogether(TrainerCallback):
 
 class RefreshRolloutWeights(TrainerCallback):
     """The rollout engine follows the policy: `weights_updated(model)` (unwrapped) after every optimizer step, and
-    at the start of training (a resumed run's weights came from a checkpoint)."""
+    at the start of training (a resumed run's weights came from a checkpoint); `release()` at the end of training
+    (`ExperienceMaker.release_engine`: a later rollout, e.g. an evaluation, starts the engine again)."""
 
-    def __init__(self, weights_updated: Callable[[nn.Module], None], accelerator):
-        self.weights_updated, self.accelerator = weights_updated, accelerator
+    def __init__(self, weights_updated: Callable[[nn.Module], None], accelerator, release: Callable[[], None]):
+        self.weights_updated, self.accelerator, self.release = weights_updated, accelerator, release
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.weights_updated(self.accelerator.unwrap_model(model))
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.weights_updated(self.accelerator.unwrap_model(model))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.release()
 
 
 class AnnounceStart(TrainerCallback):

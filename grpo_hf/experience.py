@@ -358,6 +358,12 @@ class ExperienceMaker:
         """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
         self.sampler.weights_updated(model)
 
+    def release_engine(self) -> None:
+        """Release what the rollout engine holds beyond the trainer (vLLM: its engine, its KV cache, its copy of the
+        weights); the next rollout (an evaluation after training) starts it again."""
+        if self.engine is not None:
+            self.engine.close()
+
     # ---- dynamic sampling ----------------------------------------------------------------------------------------
     def keep_groups_with_signal(self, first: Rollout, G: int) -> tuple[Rollout, Tensor]:
         """DAPO's dynamic sampling (`rollout.dynamic`): drop the groups of `first` whose rewards are all equal and

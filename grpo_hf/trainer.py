@@ -175,7 +175,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         for callback in (
             SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
             StopTogether(self.stop_request, self.accelerator),
-            RefreshRolloutWeights(self.experience.weights_updated, self.accelerator),
+            RefreshRolloutWeights(self.experience.weights_updated, self.accelerator, self.experience.release_engine),
             AnnounceStart(describe, lambda: self.precision_guard),
         ):
             self.add_callback(callback)

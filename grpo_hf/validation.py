@@ -385,15 +385,22 @@ def _has_image(content: str | list) -> bool:
 
 
 def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_positions: int | None) -> None:
-    """Prompt + completion must fit the model's positions. Prompts are left-truncated to `max_prompt_length`, so only
-    when that is None or too large are the prompts tokenized: the `MAX_ROWS_TOKENIZED` longest (by characters)."""
+    """Prompt + completion must fit the model's positions, and vLLM's context window when it is set and smaller (vLLM
+    would end completions early). Prompts are left-truncated to `max_prompt_length`, so only when that is None or too
+    large are the prompts tokenized: the `MAX_ROWS_TOKENIZED` longest (by characters)."""
+    window = args.vllm_context_window()  # vLLM's, when set (`vllm_config`)
+    fix = ", raise vllm_max_model_length" if window is not None else ""
+    if window is not None and (max_positions is None or window < max_positions):
+        max_positions, within = window, f"vLLM's context window of {window} tokens (vllm_max_model_length)"
+    else:
+        within = f"the model's {max_positions} positions (max_position_embeddings)"
     if max_positions is None:
         return
     room = max_positions - args.max_completion_length  # the longest prompt the model can take
     if room < 1:
         raise ValueError(
-            f"max_completion_length={args.max_completion_length} leaves no room for a prompt within the model's "
-            f"{max_positions} positions (max_position_embeddings). Lower max_completion_length."
+            f"max_completion_length={args.max_completion_length} leaves no room for a prompt within {within}. "
+            "Lower max_completion_length."
         )
     limit = args.max_prompt_length
     if limit is not None and limit <= room:
@@ -419,9 +426,8 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
             setting = "max_prompt_length=None" if limit is None else f"max_prompt_length={limit}"
             raise ValueError(
                 f"{name} row {indices[k]}: the prompt has {length} tokens; with {setting} and max_completion_length="
-                f"{args.max_completion_length}, prompt + completion exceed the model's {max_positions} positions "
-                f"(max_position_embeddings). Set max_prompt_length <= {room} (longer prompts are left-truncated), "
-                "lower max_completion_length, or drop the long rows."
+                f"{args.max_completion_length}, prompt + completion exceed {within}. Set max_prompt_length <= "
+                f"{room} (longer prompts are left-truncated), lower max_completion_length{fix}, or drop the long rows."
             )
 
 

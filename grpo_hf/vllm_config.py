@@ -220,6 +220,14 @@ class VLLMArguments:
                 "'sequence_mask' or 'sequence_truncate'."
             )
 
+    def vllm_context_window(self) -> int | None:
+        """The tokens a prompt and its completion share in a colocated vLLM when `vllm_max_model_length` sets them;
+        None: vLLM takes the model's (or max_prompt_length + max_completion_length, which fits by construction). The
+        data's prompts are checked against it (`validation`), as against the model's positions."""
+        if self.use_vllm and self.vllm_mode == "colocate":
+            return self.vllm_max_model_length
+        return None
+
     def sampling_correction(self) -> SamplingCorrection | None:
         """The settings of vLLM's importance-sampling correction (`core.SamplingCorrection`, checked when built), or
         None when no correction applies (no vLLM, or `vllm_importance_sampling_correction=False`)."""

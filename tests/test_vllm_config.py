@@ -126,3 +126,54 @@ def test_docs_list_every_vllm_field():
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
     assert config_reference_markdown(VLLMArguments) in docs, "regenerate the table in docs/vllm.md"
+
+
+def _tiny_trainer(tmp_path, tokenizer, prompts, **overrides):
+    from conftest import make_trainer
+    from datasets import Dataset
+
+    args = _config(tmp_path, use_vllm=True, per_device_train_batch_size=4, num_generations=2, **overrides)
+    return make_trainer(args, dataset=Dataset.from_dict({"prompt": prompts}), tokenizer=tokenizer)
+
+
+def test_vllm_max_model_length_is_checked_against_the_data(tmp_path, tokenizer):
+    """The issue's case: vllm_max_model_length=16, prompts of 12 tokens (one byte each), max_completion_length=8.
+    vLLM would end every completion after 4 tokens; the trainer refuses it when built, naming both numbers."""
+    prompts = ["twelve bytes", "short"] * 2  # 12 and 5 tokens
+    with pytest.raises(ValueError, match=r"prompt has 12 tokens.*exceed vLLM's context window of 16 tokens"):
+        _tiny_trainer(tmp_path, tokenizer, prompts, vllm_max_model_length=16, max_completion_length=8)
+    with pytest.raises(ValueError, match="raise vllm_max_model_length"):
+        _tiny_trainer(tmp_path, tokenizer, prompts, vllm_max_model_length=16, max_completion_length=8)
+    _tiny_trainer(tmp_path, tokenizer, prompts, vllm_max_model_length=20, max_completion_length=8)  # 12 + 8 fit
+    # left-truncation to max_prompt_length keeps every prompt within the window
+    _tiny_trainer(tmp_path, tokenizer, prompts, vllm_max_model_length=16, max_completion_length=8, max_prompt_length=8)
+    # server mode: the window is the server's, not vllm_max_model_length (checked on the completions instead)
+    _tiny_trainer(tmp_path, tokenizer, prompts, vllm_max_model_length=16, max_completion_length=8, vllm_mode="server")
+
+
+def test_a_completion_cut_by_vllms_window_is_never_silent():
+    """vLLM's finish reason "length" before max_completion_length means its context window ended the completion:
+    an error naming the settings, not a truncated completion trained on."""
+    from grpo_hf.rollout.vllm_server import check_not_cut
+
+    check_not_cut([([1] * 8, [], "length"), ([1, 2], [], "stop")], max_tokens=8, max_model_len=None)  # both fine
+    with pytest.raises(ValueError, match=r"vLLM ended 1 completion\(s\) at its context window \(16 tokens\) after 4"):
+        check_not_cut([([1] * 4, [], "length"), ([1] * 8, [], "length")], max_tokens=8, max_model_len=16)
+
+
+def test_server_mode_refuses_tied_embeddings_trained_apart(tmp_path, tokenizer):
+    """LoRA with modules_to_save=["embed_tokens", "lm_head"] on a tied model trains two copies; a server started from
+    the tied checkpoint would hold one, so server mode refuses it, saying what to do (colocate starts vLLM untied)."""
+    from conftest import build_tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_hf.rollout.vllm_engine import trains_tied_weights_apart
+
+    model = build_tiny_model(tokenizer, tied=True)
+    assert not trains_tied_weights_apart(model)  # plainly tied: one tensor in the trainer as in vLLM
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    peft_model = get_peft_model(model, config)
+    assert trains_tied_weights_apart(peft_model)
+    engine = VLLMEngine(None, [0], args=_config(tmp_path, use_vllm=True, vllm_mode="server"))
+    with pytest.raises(ValueError, match="Use vllm_mode='colocate'.*ensure_weight_tying=True"):
+        engine._make_backend(peft_model)

@@ -11,6 +11,10 @@ trainer keeps as `sampling_logps` for the importance-sampling correction (`core.
   OpenAI completions route and hands each process its rows; it pushes the weights as safetensors shards in a
   directory the server can read, then `/collective_rpc` `reload_weights(weights_path=...)`.
 
+`close()` (called at the end of `train()`) releases vLLM, leaving nothing of it alive (`_release`); the next rollout
+starts it again. Colocate mode starts vLLM untied when the trainer trains a tied head and embeddings apart
+(`trains_tied_weights_apart`: LoRA's `modules_to_save`); server mode refuses that.
+
 Sampling follows the other engines: temperature, top_p, top_k, min_p and repetition_penalty as `model.generate`
 resolves them (the config's, else the model's generation_config, else transformers' defaults), `max_new_tokens`,
 stopping at the model's EOS tokens; `do_sample=False` is greedy. vLLM's log-probs are its processed ones (after
@@ -21,8 +25,13 @@ starts vLLM with the tokenizer, which its grammar needs).
 
 from __future__ import annotations
 
+import copy
+import gc
 import importlib.util
 import logging
+import shutil
+import sys
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +39,7 @@ import torch
 from grpo_hf.core import prompt_runs
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
+from grpo_hf.rollout.vllm_server import check_not_cut
 from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
@@ -63,6 +73,7 @@ class VLLMEngine(RolloutEngine):
         self.stale = True
 
     def close(self) -> None:
+        """Release the colocated vLLM (or the server's client); the next rollout starts it again. Idempotent."""
         if self.backend is not None and hasattr(self.backend, "close"):
             self.backend.close()
         self.backend, self.stale = None, True
@@ -89,6 +100,8 @@ class VLLMEngine(RolloutEngine):
             rows = [row for row, n in zip(rows, counts, strict=True) for _ in range(n)]
         else:
             rows = self.backend.generate(prompts, counts, settings)
+        check_not_cut(rows, settings["max_tokens"], getattr(self.backend, "max_model_len", None))
+        rows = [(ids, logps) for ids, logps, _ in rows]
         completion_ids, self.sampling_logps = pad_rows(rows, self.generation_config.pad_token_id, prompt_ids.device)
         return completion_ids
 
@@ -96,8 +109,28 @@ class VLLMEngine(RolloutEngine):
         if self.args.vllm_mode == "server":
             from grpo_hf.rollout.vllm_server import VLLMServer
 
+            if trains_tied_weights_apart(model):
+                raise ValueError(
+                    "The policy's config ties lm_head to embed_tokens, but the trainer trains them as two copies "
+                    "(LoRA with modules_to_save covering embed_tokens or lm_head). A vLLM server started from the "
+                    "tied checkpoint holds one tensor for both, so it would sample from a model the trainer does not "
+                    "have. Use vllm_mode='colocate' (it starts vLLM untied), set ensure_weight_tying=True in the "
+                    "LoraConfig "
+                    "(one trained copy), or start the server from a checkpoint saved with tie_word_embeddings=False."
+                )
             return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
         return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
+
+
+def trains_tied_weights_apart(model) -> bool:
+    """Whether the model's config ties lm_head to the input embeddings while the trainer holds them as two tensors:
+    LoRA with `modules_to_save` covering `embed_tokens` or `lm_head` (TRL's `test_train_vllm_and_peft`) trains a copy
+    of each. vLLM, started from a tied config, would keep one tensor for both."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if not getattr(base.config, "tie_word_embeddings", False):
+        return False
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    return inputs is not None and outputs is not None and inputs.weight is not outputs.weight
 
 
 def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int | None) -> None:
@@ -192,7 +225,11 @@ class VLLMColocate:
             )
         self.sleeps = args.vllm_enable_sleep_mode
         self.model_dir = tempfile.mkdtemp(prefix="grpo_hf_vllm_")  # config only: the weights are pushed
-        base.config.save_pretrained(self.model_dir)
+        config = base.config
+        if trains_tied_weights_apart(model):  # vLLM holds both trained copies, untied
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = False
+        config.save_pretrained(self.model_dir)
         index = accelerator.process_index if accelerator is not None else 0
         kwargs = llm_kwargs(args, param.dtype, param.device, seed=args.seed + index)
         if args.vllm_structured_outputs_regex is not None:  # the grammar is compiled over the tokenizer's vocabulary
@@ -202,11 +239,18 @@ class VLLMColocate:
             kwargs["skip_tokenizer_init"] = False
         logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
         self.llm = LLM(model=self.model_dir, **kwargs)
+        gc.unfreeze()  # vLLM froze every object alive (the trainer's too): they stay collectable
+        _unpin_frames()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len  # the context window vLLM chose
+        self._release = weakref.finalize(self, _release, self.llm, self.model_dir)  # also when collected unclosed
+        self._release.atexit = False  # at exit vLLM's own finalizer shuts it down
 
     def close(self) -> None:
-        """Shut vLLM down now, while the process groups it joined exist (at exit they may be gone)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Release vLLM now (idempotent): its KV cache, its copy of the weights, its process group; while the process
+        groups it joined exist (at exit they may be gone)."""
+        self._release()
+        self.llm = None
+        gc.collect()  # vLLM's objects hold cycles: freed now, not at some later collection
 
     def push(self, model) -> float:
         import time
@@ -239,5 +283,37 @@ class VLLMColocate:
                     entry[token].logprob
                     for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
                 ]
-                rows.append((list(completion.token_ids), logps))
+                rows.append((list(completion.token_ids), logps, completion.finish_reason))
         return rows
+
+
+def _release(llm, model_dir: str) -> None:
+    """Shut a colocated `vllm.LLM` down so that nothing of it stays alive: vLLM 0.32's reload records
+    (`LAYERWISE_INFO`, a WeakKeyDictionary whose values reach their own keys through the wrapped weight loaders)
+    would otherwise keep its whole model, and the stored import errors the frames that were running."""
+    llm.collective_rpc(_forget_reload_records)
+    llm.llm_engine.engine_core.shutdown()  # KV cache, workers, vLLM's process group
+    _unpin_frames()
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _forget_reload_records(worker) -> None:
+    """In each vLLM worker: drop the records `reload_weights` keeps per layer of its model."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # a vLLM without layerwise reloading
+        return
+    for layer in worker.get_model().modules():
+        LAYERWISE_INFO.pop(layer, None)
+
+
+def _unpin_frames() -> None:
+    """vLLM keeps some import errors in module globals (`vllm.multimodal.media.audio` keeps torchcodec's, absent on
+    CPU). An error's traceback reaches, frame by frame, every frame that was running when vLLM first imported the
+    module: the trainer's own, when the first rollout started vLLM, and with them the trainer, its model and the
+    engine, for the life of the process. Their tracebacks are dropped; the errors themselves stay."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, BaseException):
+                    value.__traceback__ = None

@@ -43,7 +43,7 @@ class VLLMServer:
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
         self.timeout = args.vllm_server_timeout
         self.is_main = accelerator is None or accelerator.is_main_process
-        self.model_id, failure = None, None
+        self.model_id, self.context_window, failure = None, None, None
         if self.is_main:
             try:
                 self.model_id = self.connect()
@@ -102,7 +102,9 @@ class VLLMServer:
                 "which needs CUDA on both sides.",
                 self.args.vllm_group_port,
             )
-        return self.request("/v1/models")["data"][0]["id"]
+        model = self.request("/v1/models")["data"][0]
+        self.context_window = model.get("max_model_len")  # for `check_not_cut`
+        return model["id"]
 
     def check_version(self, version: str) -> None:
         numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
@@ -143,7 +145,7 @@ class VLLMServer:
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
         """Every process's prompts (each with its number of completions) -> this process's rows (token ids,
-        log-probs), in order."""
+        log-probs, vLLM's finish reason), in order."""
         shares = self._gather((prompts, counts))
         results, failure = None, None
         if self.is_main:
@@ -151,6 +153,8 @@ class VLLMServer:
                 results = [
                     self.complete(share_prompts, share_counts, settings) for share_prompts, share_counts in shares
                 ]
+                for rows in results:  # here, so that every process stops with the message
+                    check_not_cut(rows, settings["max_tokens"], self.context_window)
             except Exception as error:
                 failure = error
         self._together(failure, "generating with the vLLM server")
@@ -166,7 +170,7 @@ class VLLMServer:
             answer = self.request("/v1/completions", {**body, "prompt": prompt, "n": n})
             rows = []
             for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-                rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+                rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"], choice.get("finish_reason")))
             return rows
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
@@ -210,3 +214,18 @@ def write_shards(weights, directory: str) -> None:
             shard, size, index = {}, 0, index + 1
     if shard:
         save_file(shard, os.path.join(directory, f"model-{index:05d}.safetensors"))
+
+
+def check_not_cut(rows: list[tuple[list[int], list, str | None]], max_tokens: int, max_model_len: int | None) -> None:
+    """No completion was ended by vLLM's context window (finish reason "length" before `max_tokens`): it would train
+    as a truncated completion though the policy was never let finish it. `_check_room` prevents it where the window is
+    known (colocate); this catches the rest (server mode, whose window is the server's)."""
+    cut = [len(ids) for ids, _, reason in rows if reason == "length" and len(ids) < max_tokens]
+    if cut:
+        window = f"{max_model_len} tokens" if max_model_len is not None else "unknown size"
+        raise ValueError(
+            f"vLLM ended {len(cut)} completion(s) at its context window ({window}) after {min(cut)} to {max(cut)} "
+            f"tokens, before max_completion_length={max_tokens}: prompt + completion do not fit. Raise "
+            "vllm_max_model_length (colocate) or the server's --max-model-len, or set max_prompt_length / lower "
+            "max_completion_length."
+        )
