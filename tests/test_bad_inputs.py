@@ -1,4 +1,4 @@
-"""A catalogue of bad inputs (issue 14): each row is one kind of input and what must happen to it.
+"""A catalogue of bad inputs: each row is one kind of input and what must happen to it.
 
 A row is `Case(id, change, expected)`. `change(setup)` edits the default arguments of a tiny, valid run (`Setup`:
 model, tokenizer, reward functions, config fields, datasets, other trainer arguments); `expected` is one of

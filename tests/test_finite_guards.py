@@ -1,4 +1,4 @@
-"""Nothing silently wrong with numbers (issue 14, first part): a reward that overflows float32, a non-finite reward
+"""Nothing silently wrong with numbers: a reward that overflows float32, a non-finite reward
 weight, and a NaN loss are each visible, never turned into NaN weights or a logged 0."""
 
 import logging

@@ -1,4 +1,4 @@
-"""Behaviours a TRL user relies on when porting a script (issue 13): inputs TRL's GRPOTrainer accepts are accepted."""
+"""Behaviours a TRL user relies on when porting a script: inputs TRL's GRPOTrainer accepts are accepted."""
 
 import re
 
