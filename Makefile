@@ -58,7 +58,7 @@ bench: install
 	$(PY) benchmarks/bench_code_reward.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/vs_trl.py
-	$(PY) benchmarks/vs_trl.py --configs vlm,vlm_frozen --reps 1 --rollouts 4
+	$(PY) benchmarks/vs_trl.py --configs vlm,vlm_frozen --reps 3 --rollouts 6
 	$(PY) benchmarks/vs_trl.py --configs tools --reps 1 --rollouts 4
 	$(PY) benchmarks/multi_process.py
 
