@@ -30,21 +30,21 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import datasets
 import torch
 import transformers
-import yaml
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 from transformers.utils import is_torch_bf16_gpu_available
 
 from grpo_hf import GRPOConfig, GRPOTrainer, get_reward_funcs
 from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rewards import names_a_reward_model
 
+from config_args import parse_config_args
 from gsm8k_support.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems, to_conversational
 from gsm8k_support.evaluation import evaluate_accuracy, summarize
 from gsm8k_support.plotting import plot_training_curves
@@ -166,36 +166,7 @@ def _check_precision(namespace: argparse.Namespace, source: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConfig]:
     """`--config file.yaml` sets defaults for `ScriptArguments` and `GRPOConfig`; other flags override them."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-
-    parser = HfArgumentParser((ScriptArguments, GRPOConfig))
-    parser.add_argument("--config", default=None, help="YAML file whose keys are the fields below.")
-    source = "the command line"
-    if known.config:
-        with open(known.config) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{known.config} must hold a mapping of field names to values.")
-        valid = {action.dest for action in parser._actions}
-        unknown = sorted(set(values) - valid)
-        if unknown:
-            raise ValueError(
-                f"{known.config}: unknown key(s) {unknown}. Keys are field names of ScriptArguments "
-                "(recipes/gsm8k.py) or grpo_hf.GRPOConfig; `python recipes/gsm8k.py --help` lists them."
-            )
-        parser.set_defaults(**values)
-        source = f"{known.config} or the command line"
-    namespace = parser.parse_args(argv)
-    _check_precision(namespace, source)
-
-    parsed = []
-    for dtype in (ScriptArguments, GRPOConfig):
-        names = {f.name for f in fields(dtype) if f.init}
-        parsed.append(dtype(**{k: v for k, v in vars(namespace).items() if k in names}))
-    script_args, config = parsed
+    script_args, config = parse_config_args((ScriptArguments, GRPOConfig), argv, "recipes/gsm8k.py", _check_precision)
     # Unknown reward names fail here, before the model loads, listing the known ones; names that build their reward
     # (e.g. `code` checks its sandbox) are built once here to fail early. Reward models: `names_a_reward_model`.
     get_reward_funcs([name for name in script_args.reward_funcs if not names_a_reward_model(name)])

@@ -25,23 +25,22 @@ and `eval_samples.jsonl` (every evaluated episode). No model is saved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
-import yaml
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.rollout.tools import tool_chat_template
 
+from config_args import parse_config_args
 from offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from tools_support.evaluation import evaluate
 from tools_support.problems import correct_answer, make_problems, multiply, to_conversational
@@ -81,25 +80,7 @@ class ScriptArguments:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConfig]:
     """`--config file.yaml` sets defaults for `ScriptArguments` and `GRPOConfig`; other flags override them."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    parser = HfArgumentParser((ScriptArguments, GRPOConfig))
-    parser.add_argument("--config", default=None, help="YAML file whose keys are the fields below.")
-    if known.config:
-        values = yaml.safe_load(Path(known.config).read_text()) or {}
-        unknown = sorted(set(values) - {action.dest for action in parser._actions})
-        if unknown:
-            raise ValueError(
-                f"{known.config}: unknown key(s) {unknown}; keys are fields of ScriptArguments or GRPOConfig."
-            )
-        parser.set_defaults(**values)
-    namespace = vars(parser.parse_args(argv))
-    return tuple(
-        dtype(**{k: v for k, v in namespace.items() if k in {f.name for f in fields(dtype) if f.init}})
-        for dtype in (ScriptArguments, GRPOConfig)
-    )
+    return parse_config_args((ScriptArguments, GRPOConfig), argv, "recipes/tools.py")
 
 
 def run_arm(arm: str, args: ScriptArguments, config: GRPOConfig, tokenizer, train, held_out, template_kwargs) -> dict:
