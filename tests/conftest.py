@@ -161,6 +161,22 @@ def make_trainer(
     return trainer_cls(model, reward, args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
 
 
+def load_recipe(name: str):
+    """`recipes/<name>.py` as a module named `<name>_recipe`, its support packages importable as
+    `python recipes/<name>.py` finds them."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    sys.path.insert(0, str(recipes))
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe", recipes / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def train_logs(trainer):
     """The log entries of training steps (those with a "loss")."""
     return [h for h in trainer.state.log_history if "loss" in h]

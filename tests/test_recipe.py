@@ -1,7 +1,6 @@
 """recipes/gsm8k.py: argument parsing (YAML + command line), the errors a new user meets, and short runs."""
 
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -13,22 +12,13 @@ import datasets
 import pytest
 import torch
 import transformers
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import build_tiny_model, build_tiny_tokenizer, load_recipe
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_recipe():
-    sys.path.insert(0, str(ROOT / "recipes"))  # its support package, as `python recipes/gsm8k.py` finds it
-    spec = importlib.util.spec_from_file_location("gsm8k_recipe", ROOT / "recipes" / "gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = _load_recipe()
+recipe = load_recipe("gsm8k")
 
 
 def length_reward(completions, **kwargs):

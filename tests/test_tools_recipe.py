@@ -1,12 +1,10 @@
 """recipes/tools.py: the problems and their split, the warm-start traces, and a short run on a tiny model."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import build_tiny_model, build_tiny_tokenizer, load_recipe
 from transformers.utils import get_json_schema
 
 from grpo_hf.rollout.tools import parse_turn, tool_chat_template
@@ -14,16 +12,7 @@ from grpo_hf.rollout.tools import parse_turn, tool_chat_template
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_recipe():
-    sys.path.insert(0, str(ROOT / "recipes"))  # its support package, as `python recipes/tools.py` finds it
-    spec = importlib.util.spec_from_file_location("tools_recipe", ROOT / "recipes" / "tools.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = _load_recipe()
+recipe = load_recipe("tools")
 from tools_support.problems import correct_answer, make_problems, multiply, split_of  # noqa: E402
 from tools_support.warm_start import trace_ids  # noqa: E402
 
