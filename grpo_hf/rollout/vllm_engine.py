@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from grpo_hf.core import prompt_runs
+from grpo_hf.peft_utils import base_model
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
 from grpo_hf.rollout.vllm_server import check_not_cut
@@ -115,8 +116,8 @@ class VLLMEngine(RolloutEngine):
                     "(LoRA with modules_to_save covering embed_tokens or lm_head). A vLLM server started from the "
                     "tied checkpoint holds one tensor for both, so it would sample from a model the trainer does not "
                     "have. Use vllm_mode='colocate' (it starts vLLM untied), set ensure_weight_tying=True in the "
-                    "LoraConfig "
-                    "(one trained copy), or start the server from a checkpoint saved with tie_word_embeddings=False."
+                    "LoraConfig (one trained copy), or start the server from a checkpoint saved with "
+                    "tie_word_embeddings=False."
                 )
             return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
         return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
@@ -126,7 +127,7 @@ def trains_tied_weights_apart(model) -> bool:
     """Whether the model's config ties lm_head to the input embeddings while the trainer holds them as two tensors:
     LoRA with `modules_to_save` covering `embed_tokens` or `lm_head` (TRL's `test_train_vllm_and_peft`) trains a copy
     of each. vLLM, started from a tied config, would keep one tensor for both."""
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base = base_model(model)
     if not getattr(base.config, "tie_word_embeddings", False):
         return False
     inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
@@ -216,7 +217,7 @@ class VLLMColocate:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kvcache_space))
         from vllm import LLM
 
-        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        base = base_model(model)
         param = next(base.parameters())
         if args.vllm_enable_sleep_mode and param.device.type != "cuda":
             raise ValueError(
