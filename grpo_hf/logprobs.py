@@ -224,8 +224,12 @@ def padded_logps(
     )
     if router_aux is not None:
         router_aux.append(outputs.aux_loss)
-    logits = outputs.logits[:, :-1, :]  # [B, T, V]
-    return _logps_and_entropy(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
+    # The log-softmax runs over all T + 1 kept positions, the last one against a dummy token, and its result is cut to
+    # T: `logits[:, :-1]` would be a view whose rows cannot be flattened, walked row by row (B times the chunks).
+    logits = outputs.logits  # [B, T + 1, V]
+    index = nn.functional.pad(completion_ids, (0, 1))  # [B, T + 1], token 0 at the dummy position
+    logps, entropy = _logps_and_entropy(logits, index, temperature, chunk_size, with_entropy, entropy_grad)
+    return logps[:, :-1], (entropy[:, :-1] if with_entropy else None)  # [B, T] each
 
 
 def shared_prefix_logps(
