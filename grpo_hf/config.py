@@ -348,23 +348,28 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     )
 
     # ---- speed and memory -------------------------------------------------------------------------
-    share_prompt_prefix: bool = field(
-        default=True,
+    share_prompt_prefix: bool | None = field(
+        default=None,
         metadata={
             "help": "In the log-prob forwards (policy, old and reference), run each distinct prompt once and let the "
             "completions of its group attend to its cached keys/values, in at most two length buckets, each cut to "
             "its longest completion: no compute on repeated prompts and little on padding. Exact (same maths, float "
             "rounding aside). Used for decoder-only models on one process or under DDP (whose forward it bypasses; "
             "the trainer then averages gradients itself) that are not gradient-checkpointed; FSDP, DeepSpeed and "
-            "checkpointed models run one forward over the padded prompt + completion rows, as with False."
+            "checkpointed models run one forward over the padded prompt + completion rows, as with False. None: "
+            "chosen per micro-batch by device: on CUDA, where the padded micro-batch's forward and backward fit in "
+            "0.7 of the memory available, the padded forward (fewer kernel launches); else the shared prefix. The "
+            "log says which and why."
         },
     )
-    backward_per_group: bool = field(
-        default=True,
+    backward_per_group: bool | None = field(
+        default=None,
         metadata={
             "help": "Where share_prompt_prefix applies: run forward and backward one group (prompt) at a time, "
             "so only one group's activations are in memory. The same gradient (the loss is a sum over rows), "
-            "float rounding aside. False: one backward over the whole micro-batch."
+            "float rounding aside. False: one backward over the whole micro-batch. None: True where the shared "
+            "prefix is chosen by device (on a CPU, or on CUDA when memory is tight), False where the padded forward "
+            "is; with share_prompt_prefix=True on CUDA, one backward where the micro-batch fits."
         },
     )
     rollout_engine: str = field(
@@ -424,7 +429,8 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         default=None,
         metadata={
             "help": "Token positions per chunk when turning logits into log-probs and entropy. `None`: as many as "
-            "fit 2^23 logits (32 MiB in fp32), whatever the vocabulary size."
+            "fit 2^23 logits (32 MiB in fp32) off CUDA; on CUDA, as many as fit 1/256 of the memory available, "
+            "between 2^23 and 2^28 logits (fewer, larger kernels)."
         },
     )
 

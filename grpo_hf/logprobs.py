@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
+from grpo_hf.forward_plan import ForwardPlan, Planner
 from grpo_hf.peft_utils import base_model, is_peft_model
 from grpo_hf.vision import (
     forward_kwargs,
@@ -354,48 +355,54 @@ def backward_per_group(
 
 class LogprobPath:
     """How a run computes log-probs: the shared-prefix fast path where it applies (`shared_prefix_blocker`), else one
-    padded forward, with the settings every forward shares (temperature, logit chunk size), and no-grad passes over
-    whole batches, `micro_batch_size` rows at a time, under the accelerator's autocast."""
+    padded forward; on CUDA, by default, the padded forward and one backward where they fit (`forward_plan`). The
+    settings every forward shares (temperature, logit chunk size); no-grad passes over whole batches,
+    `micro_batch_size` rows at a time, under the accelerator's autocast."""
 
     def __init__(
         self,
         accelerator,
         forward_settings: dict,
         micro_batch_size: int,
-        share_prompt_prefix: bool,
+        share_prompt_prefix: bool | None,
         router_aux_loss_coef: float,
         sharded: bool,
+        backward_per_group: bool | None = None,
     ):
-        """`forward_settings`: `completion_logps`' `temperature` and `chunk_size`, the same for every forward."""
+        """`forward_settings`: `completion_logps`' `temperature` and `chunk_size` (None: chosen by device), the same
+        for every forward. `share_prompt_prefix`, `backward_per_group`: None to choose by device and memory."""
         self.accelerator, self.sharded, self.router_aux_loss_coef = accelerator, sharded, router_aux_loss_coef
         self.share_prompt_prefix, self.micro_batch_size = share_prompt_prefix, micro_batch_size
-        self.settings = dict(forward_settings)
+        self.temperature = forward_settings.get("temperature", 1.0)
+        self.planner = Planner(
+            accelerator, share_prompt_prefix, backward_per_group, forward_settings.get("chunk_size"), self.temperature
+        )
 
     def blocker(self, model: nn.Module) -> str | None:
         """Why the shared-prefix forward does not apply to `model` (as Trainer holds it), or None."""
         return shared_prefix_blocker(
             model,
             self.accelerator.unwrap_model(model),
-            share_prompt_prefix=self.share_prompt_prefix,
+            share_prompt_prefix=self.share_prompt_prefix is not False,
             router_aux_loss_coef=self.router_aux_loss_coef,
             sharded=self.sharded,
         )
 
-    def describe(self, model: nn.Module, per_group_backward: bool) -> str:
-        """One log line: the path the training forwards take."""
-        blocker = self.blocker(model)
-        if blocker is not None:
-            return f"log-prob path: one padded forward over prompt + completion rows ({blocker})"
-        return "log-prob path: shared prompt prefix" + (
-            ", one group's backward at a time" if per_group_backward else ""
-        )
+    def describe(self, model: nn.Module) -> str:
+        """One log line at start-up: the path the training forwards take, or how it is chosen."""
+        return self.planner.describe(self.blocker(model))
 
-    def kwargs(self, model: nn.Module) -> dict:
-        """The keyword arguments of `completion_logps` for `model`."""
-        return {"share_prefix": self.blocker(model) is None, **self.settings}
+    def plan(self, model: nn.Module, batch: Batch, grad: bool = True) -> ForwardPlan:
+        """The `ForwardPlan` of `batch` on `model` (as Trainer holds it); `grad=False` for a no-grad pass."""
+        return self.planner.plan(self.accelerator.unwrap_model(model), batch, self.blocker(model), grad)
+
+    def kwargs(self, plan: ForwardPlan) -> dict:
+        """The keyword arguments of `completion_logps` under `plan`."""
+        return {"share_prefix": plan.share_prefix, "temperature": self.temperature, "chunk_size": plan.chunk_size}
 
     def no_grad(self, model: nn.Module, batch: Batch, **kwargs):
         """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy), autocast on: the
         fast path calls the decoder and LM head directly, not the autocast-wrapped forward."""
+        plan = self.plan(model, batch.rows(0, self.micro_batch_size), grad=False)
         with self.accelerator.autocast():
-            return logps_in_chunks(model, batch, self.micro_batch_size, **{**self.kwargs(model), **kwargs})
+            return logps_in_chunks(model, batch, self.micro_batch_size, **{**self.kwargs(plan), **kwargs})

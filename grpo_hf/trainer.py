@@ -157,8 +157,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         forwards = {"temperature": args.temperature, "chunk_size": args.logprob_chunk_size}  # every forward's
         sharded, aux = self.is_fsdp_enabled or self.is_deepspeed_enabled, self.router_aux_loss_coef
         self.logps = LogprobPath(
-            self.accelerator, forwards, args.per_device_train_batch_size, args.share_prompt_prefix, aux, sharded
-        )
+            self.accelerator, forwards, args.per_device_train_batch_size, args.share_prompt_prefix, aux, sharded,
+            args.backward_per_group,
+        )  # fmt: skip
         settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction())  # frozen, checked
         self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
         self.experience = self._experience_maker(rollout_func)
@@ -171,7 +172,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             alpha = args.ref_model_mixup_alpha
             self.reference_sync = SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha)
             self.add_callback(self.reference_sync)
-        describe = lambda: self.logps.describe(self.model_wrapped, args.backward_per_group)  # noqa: E731
+        describe = lambda: self.logps.describe(self.model_wrapped)  # noqa: E731
         for callback in (
             SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
             StopTogether(self.stop_request, self.accelerator),
@@ -305,22 +306,24 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
-        """The GRPO loss of one micro-batch (`objective.Objective`), from the policy's log-probs: by the shared-prefix
-        forward where it applies (with `backward_per_group`, backpropagating one group at a time), else one padded
-        forward."""
+        """The GRPO loss of one micro-batch (`objective.Objective`), from the policy's log-probs by the path planned
+        for it (`forward_plan`): the shared-prefix forward, backpropagating one group at a time or at once, or one
+        padded forward."""
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         batch, objective = inputs, self.objective
-        kwargs = self.logps.kwargs(model)
+        plan = self.logps.plan(model, batch)
+        kwargs = self.logps.kwargs(plan)
         share_prefix = kwargs.pop("share_prefix")
-        if share_prefix:  # the bare module: a DDP wrapper's forward is bypassed (see `training_step`)
-            model = self.accelerator.unwrap_model(model)
-            self._average_gradients = self.accelerator.num_processes > 1
+        # The bare module: a DDP wrapper's forward is bypassed, and `training_step` averages the gradients (when the
+        # last micro-step of the optimizer step took this path: the plan may change between steps)
+        self._average_gradients = share_prefix and self.accelerator.num_processes > 1
+        model = self.accelerator.unwrap_model(model) if share_prefix else model
         kwargs["entropy_grad"] = objective.entropy.applied != 0  # the bonus is differentiated; else a metric
         steps, policy_mask = self.current_gradient_accumulation_steps, None
         with self.accelerator.autocast():
             # top_entropy_quantile < 1: a group's token mask depends on every group's entropy, so one backward
-            if share_prefix and self.args.backward_per_group and self.args.top_entropy_quantile == 1.0:
+            if share_prefix and plan.per_group and self.args.top_entropy_quantile == 1.0:
                 loss_fn = lambda logps, entropy: objective(logps, batch, entropy, accumulation_steps=steps)  # noqa: E731
                 loss, metrics, entropy = backward_per_group(
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs

@@ -166,7 +166,9 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
                 "grpo_hf.vision",
             },
         ),
-        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision"}),
+        # log-probs: the forwards (`logprobs`) and the choice among them by device and memory (`forward_plan`)
+        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.forward_plan"}),
+        ("grpo_hf.forward_plan", {"grpo_hf.core", "grpo_hf.vision"}),
         # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
         # module: not validation, experience, objective, rollout or rewards); `heads`: the fp32 LM head, the MoE
         # router's loss weight
@@ -247,7 +249,7 @@ def test_config_and_validation_import_nothing_of_each_other():
     assert "grpo_hf.validation" not in ALL_IMPORTS["grpo_hf.config"]
 
 
-@pytest.mark.parametrize("module", ["grpo_hf.objective", "grpo_hf.logprobs"])
+@pytest.mark.parametrize("module", ["grpo_hf.objective", "grpo_hf.logprobs", "grpo_hf.forward_plan"])
 def test_the_loss_and_the_log_probs_read_frozen_settings_not_the_config(module):
     assert reads_of_args(MODULES[module].read_text()) == []
 

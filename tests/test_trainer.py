@@ -568,7 +568,7 @@ def test_toy_task_learns_from_scratch(tmp_path):
         ({}, "log-prob path: shared prompt prefix, one group's backward at a time"),
         (
             {"share_prompt_prefix": False},
-            "log-prob path: one padded forward over prompt + completion rows (share_prompt_prefix=False)",
+            "one padded forward over prompt + completion rows, one backward (share_prompt_prefix=False)",
         ),
         ({"gradient_checkpointing": True}, "(gradient checkpointing drops the prompt's cached keys/values)"),
     ],

@@ -373,7 +373,10 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     assert trainer.router_aux_loss_coef == coef
     with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
-    assert "one padded forward over prompt + completion rows (router_aux_loss_coef=0.5: the MoE" in caplog.text
+    assert (
+        "one padded forward over prompt + completion rows, one backward (router_aux_loss_coef=0.5: the MoE"
+        in caplog.text
+    )
     (batch,) = trainer._buffer
     initial = build_tiny_moe(tokenizer)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
