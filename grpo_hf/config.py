@@ -416,6 +416,16 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         default=False,
         metadata={"help": "Deprecated alias of use_transformers_continuous_batching (TRL deprecates it too)."},
     )
+    merge_lora_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "With LoRA, grpo_hf's own engines (all but vLLM) sample with each adapted Linear layer computing "
+            "one matmul with a copy of its weight plus the adapters' deltas (in the weight's dtype; memory: one copy "
+            "of the adapted weights), refreshed before the first rollout after each optimizer step; the base weights "
+            "and the training forwards are unchanged. DoRA, non-Linear and quantized layers, and sharded models "
+            "(FSDP, ZeRO-3) keep PEFT's layers; the log says which. False: PEFT's layers throughout."
+        },
+    )
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={

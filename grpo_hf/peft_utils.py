@@ -11,7 +11,17 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["REFERENCE_ADAPTER", "add_reference_adapter", "base_model", "is_peft_model", "reference_adapter"]
+import torch
+
+__all__ = [
+    "REFERENCE_ADAPTER",
+    "active_adapters",
+    "add_reference_adapter",
+    "base_model",
+    "is_peft_model",
+    "merged_lora_weight",
+    "reference_adapter",
+]
 
 REFERENCE_ADAPTER = "ref"  # TRL's name for the frozen copy of a given adapter
 
@@ -33,6 +43,29 @@ def is_peft_model(model: Any) -> bool:
 def base_model(model: Any) -> Any:
     """The transformers model under a PEFT wrapper (its LoRA layers live inside it), or `model` itself."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def active_adapters(model: Any) -> list[str]:
+    """The active adapters of a PEFT model or of one of its adapted layers (PEFT keeps one name or a list)."""
+    active = model.active_adapter
+    return [active] if isinstance(active, str) else list(active)
+
+
+@torch.no_grad()
+def merged_lora_weight(
+    layer: Any, adapters: list[str], weight: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W + the sum over `adapters` of the LoRA layer's deltas (PEFT's `get_delta_weight`: scale * B A, in W's layout,
+    fan_in_fan_out included), added in float32 (or W's dtype, if wider) and rounded once to W's dtype. `weight`: the
+    W to start from (default: the layer's base weight; a gathered copy of a sharded one). Written into `out` (W's
+    shape and dtype) when given, else returned as a new tensor. Neither the layer nor W is changed (PEFT's
+    `merge_adapter` adds into W, and a bf16 merge-unmerge round trip loses the low bits of W)."""
+    weight = layer.get_base_layer().weight if weight is None else weight
+    total = weight.detach().to(torch.promote_types(weight.dtype, torch.float32), copy=True)  # W's shape
+    with torch.autocast(weight.device.type, enabled=False):  # B A in the adapters' dtype, also under a bf16 autocast
+        for adapter in adapters:
+            total += layer.get_delta_weight(adapter).to(total.dtype)
+    return total.to(weight.dtype) if out is None else out.copy_(total)
 
 
 def add_reference_adapter(model: Any) -> None:

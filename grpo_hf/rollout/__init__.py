@@ -10,6 +10,7 @@
   `hf_generate` (`model.generate`, optionally with a static compiled cache), `cuda_graph` (a static
   KV cache and a decode step captured as one CUDA graph), `vllm_engine` (vLLM in this process, or a `vllm serve`
   through `vllm_server`).
+- `lora_decode`: a LoRA policy's adapted layers decode with merged copies of their weights (`LoraDecode`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ It samples what `model.generate` samples (the same processors, in the same order
   At most ~2 x `check_every` steps run after the last row finished; their tokens are pad and are cut off.
 - Weights: the graph reads the parameters where they live, nothing copies them, so in-place optimizer updates are
   seen by the next call. `on_weights_updated` drops the buffers and the compiled step if the parameters moved.
-  PEFT/LoRA: the PEFT wrapper's base model is called; its LoRA layers run inside the step (no merge).
+  PEFT/LoRA: the PEFT wrapper's base model is called, so its LoRA layers run inside the step; under the trainer's
+  `Sampler` they run as one matmul with merged copies (`lora_decode`), which the graph reads in place as it does the
+  parameters (refreshed by `copy_`, so the captured graph stays valid).
 - Precision: the call runs under the trainer's autocast (`autocast`), also where the model called is a PEFT
   wrapper's base model, which accelerate's autocast wrapper does not cover.
 - Failures: a compiled bucket's first calls (compile, CUDA-graph recording, first replay) run guarded; an error there

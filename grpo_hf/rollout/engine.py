@@ -48,6 +48,9 @@ class RolloutEngine:
     # True: every call samples up to the configured max_new_tokens whatever `generate` is asked (`cuda_graph`: one
     # captured graph per length; a tool episode cuts each turn to its budget instead).
     fixed_length = False
+    # True: `sample` runs the policy's own forward in this process, so a LoRA policy decodes through merged copies of
+    # its adapted layers (`lora_decode`, applied by the `Sampler`); vLLM, which holds its own weights, sets False.
+    decodes_with_model = True
 
     def __init__(self, generation_config, eos_token_ids: Sequence[int]):
         self.generation_config = generation_config

@@ -2,7 +2,8 @@
 
 `Sampler.sample(prompts, columns)` is the sampling half of a rollout round (`experience.ExperienceMaker` does the
 scoring and what follows). It owns the rollout engine (chosen at the first rollout, `engine.make_engine`), gathers
-sharded weights for it (ZeRO-3, FSDP2), and takes completions from one of three sources:
+sharded weights for it (ZeRO-3, FSDP2), has a LoRA policy's adapted layers decode with merged copies of their weights
+(`lora_decode.LoraDecode`, refreshed after each optimizer step), and takes completions from one of three sources:
 
 - the engine, one completion per row (single turn);
 - with `tools` or an `environment_factory`, tool episodes on top of the engine (`episodes.EpisodeRunner`): each row's
@@ -22,11 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3
+from grpo_hf.peft_utils import is_peft_model
 from grpo_hf.rollout.batching import Sequences
 from grpo_hf.rollout.custom import rollout_from_func
 from grpo_hf.rollout.engine import RolloutEngine, make_engine
 from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
 from grpo_hf.rollout.episodes import EpisodeRunner
+from grpo_hf.rollout.lora_decode import LoraDecode
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
 from grpo_hf.rollout.tools import tool_chat_template
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
@@ -116,6 +119,7 @@ class Sampler:
         self.tools = agentic.tools if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
+        self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
         if agentic is not None:
             self.template_kwargs = dict(generation.chat_template_kwargs)
@@ -150,8 +154,7 @@ class Sampler:
         if self.episodes is not None:
             return self._episodes(prompts, columns)
         prompt_ids, prompt_mask, is_prompt_truncated, images = self._tokenize_images(prompts, columns)
-        with self.model_for_generation() as model:
-            engine = self.engine_for(model)
+        with self.decoding() as (model, engine):
             completion_ids, completion_mask, is_truncated = engine.generate(
                 model, prompt_ids, prompt_mask, **({"images": images} if images else {})
             )
@@ -193,8 +196,7 @@ class Sampler:
                 "renders the tools and the tool replies. Give the dataset's `prompt` column as messages."
             )
         prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts, schema_tools)
-        with self.model_for_generation() as model:
-            engine = self.engine_for(model)
+        with self.decoding() as (model, engine):
 
             def generate(ids, mask, max_new_tokens):
                 ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
@@ -234,8 +236,18 @@ class Sampler:
         return getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
 
     # ---- the rollout engine ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def decoding(self):
+        """The bare model (`model_for_generation`) and the rollout engine (`engine_for`), with a LoRA policy's adapted
+        layers on their merged copies (`lora_decode`) for the duration."""
+        with self.model_for_generation() as model:
+            engine = self.engine_for(model)
+            with self.lora_decode.applied() if self.lora_decode is not None else contextlib.nullcontext():
+                yield model, engine
+
     def engine_for(self, model: nn.Module) -> RolloutEngine:
-        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device."""
+        """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device; for
+        a LoRA policy and an engine that runs its forward, the merged copies it decodes with (`lora_decode`)."""
         if self.engine is None:
             self.engine, why = make_engine(
                 self._engine_name(),
@@ -250,6 +262,10 @@ class Sampler:
                 blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
             )
             logger.info(why)
+            if is_peft_model(model) and self.engine.decodes_with_model:
+                merge = self.args.merge_lora_for_generation
+                self.lora_decode, why = LoraDecode.build(model, enabled=merge, sharded=self.generation.sharded)
+                logger.info(why)
         return self.engine
 
     def _engine_name(self) -> str:
@@ -267,7 +283,10 @@ class Sampler:
         return "generate"
 
     def weights_updated(self, model: nn.Module) -> None:
-        """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped)."""
+        """Tell the rollout engine, if one was built, that the policy's weights changed (`model`: unwrapped), and mark
+        the merged LoRA copies stale (refreshed before the next rollout)."""
+        if self.lora_decode is not None:
+            self.lora_decode.mark_stale()
         if self.engine is not None:
             self.engine.on_weights_updated(model)
 

@@ -9,13 +9,16 @@ from collections.abc import Iterator
 
 import torch
 
+from grpo_hf.peft_utils import active_adapters, merged_lora_weight
+
 
 def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their checkpoint names, one tensor at a time (never a second full copy).
 
     Tied weights come under each of their names: vLLM's in-place reload re-creates its parameters layer by layer, which
     unties its lm_head from the embeddings (a push without `lm_head.weight` leaves it random). A PEFT model yields its
-    base weights with each LoRA delta merged in (W + scale B A), computed per layer; the model itself stays unmerged.
+    base weights with the active adapters' LoRA deltas merged in (W + scale B A, `peft_utils.merged_lora_weight`),
+    computed per layer; the model itself stays unmerged.
     A sharded parameter (FSDP2's DTensor) is gathered one at a time.
     """
     if hasattr(model, "peft_config"):
@@ -28,19 +31,19 @@ def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 def _merged_lora_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.tuners.lora import LoraLayer
 
-    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    adapters = active_adapters(model)
     base = model.get_base_model()
-    deltas = {}
+    layers = {}  # base weight's name -> (its LoRA layer, the layer's active adapters)
     for module_name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            deltas[f"{module_name}.base_layer.weight"] = module
+        if isinstance(module, LoraLayer) and (merged := [a for a in adapters if a in module.lora_A]):
+            layers[f"{module_name}.base_layer.weight"] = module, merged
     for name, param in base.named_parameters(remove_duplicate=False):
         if "lora_" in name or ".original_module." in name:
             continue
         weight = _full(param)
-        if name in deltas:
-            weight = weight + deltas[name].get_delta_weight(adapter).to(weight.dtype)
-        yield name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", "."), weight
+        if name in layers:
+            weight = merged_lora_weight(*layers[name], weight=weight)
+        yield name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapters[0]}.", "."), weight
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
