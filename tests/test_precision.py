@@ -169,3 +169,28 @@ def test_fp32_weights_with_bf16_train_the_fast_path_under_autocast(tmp_path, tok
     trainer.train()
     assert seen == {torch.bfloat16}  # the policy's forward with gradients ran under autocast
     assert all(p.dtype == torch.float32 for p in model.parameters()) and trainer.precision_guard.masters is None
+
+
+def test_master_weights_move_gradients_and_weights_in_batches_exactly(monkeypatch):
+    """SGD at lr 1 on the masters, the gradients moved in batches of 2 KiB (several tensors per kernel, one tensor
+    alone when it is larger): each fp32 master is w - g exactly, each bf16 weight its rounding, no gradient left."""
+    from grpo_hf import precision
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (100, 300, 50, 700, 10)]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    masters = MasterWeights(optimizer)
+    initial = [p.detach().float().clone() for p in params]
+    grads = [torch.randn(p.shape, dtype=torch.bfloat16) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    params[2].grad = None  # a parameter without a gradient is left alone
+    monkeypatch.setattr(precision, "GRADIENT_BATCH_BYTES", 2048)
+    batches = precision._batches(list(zip(params, masters.masters, strict=True)))
+    assert [len(batch) for batch in batches] == [3, 1, 1]  # 400 + 1200 + 200 bytes, 2800 alone, 40
+    optimizer.step()
+    for k, (p, master) in enumerate(zip(params, masters.masters, strict=True)):
+        expected = initial[k] if k == 2 else initial[k] - grads[k].float()
+        torch.testing.assert_close(master.detach(), expected, rtol=0, atol=0)
+        torch.testing.assert_close(p.detach(), expected.to(torch.bfloat16), rtol=0, atol=0)
+        assert p.grad is None and master.grad is None
