@@ -152,6 +152,7 @@ def test_compiled_decode_step_has_no_graph_break_and_sees_refreshed_copies_witho
     calls = _count_calls(_lora_modules(lora))
     pointers = [m.weight.data_ptr() for m in decode.layers]
     rollouts = []
+    torch._dynamo.reset()  # this test's compile is the first of `decode_step`: earlier tests' shapes would recompile
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
             with decode.applied():
