@@ -42,8 +42,10 @@ SHAPES = {  # Qwen2.5-0.5B / -1.5B (their config.json) with 151,936 tokens; the 
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
     "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),  # vLLM: head 32
+    # 0.5B's layers, heads and vocabulary at 1/8 of its widths: operator counts (launch_count.py) do not see widths
+    "0.5B/8": dict(hidden_size=112, intermediate_size=608, num_hidden_layers=24, num_attention_heads=14),
 }
-VOCAB = {"0.5B": 151_936, "1.5B": 151_936, "tiny": 1_024}
+VOCAB = {"0.5B": 151_936, "1.5B": 151_936, "tiny": 1_024, "0.5B/8": 151_936}
 DEFAULTS = dict(prompts=2, num_generations=8, max_completion_length=128, beta=0.04, num_iterations=1)
 CONFIGS = {
     # SmolLM2-135M-Instruct (offline, fp32) on the built-in arithmetic problems, rewards accuracy + format_gsm8k
@@ -123,8 +125,9 @@ TRL_ONLY = dict(
 GRPO_HF_ONLY = dict(max_prompt_length=None)
 
 
-def prepare(shape: str, directory: str, device: str, seed: int = 0) -> dict:
-    """Save a tokenizer and a Qwen2 model of `shape` with random bf16 weights to `directory`; describe them."""
+def prepare(shape: str, directory: str, device: str, seed: int = 0, layers: int | None = None) -> dict:
+    """Save a tokenizer and a Qwen2 model of `shape` (`layers` of them, if given) with random bf16 weights to
+    `directory`; describe them."""
     import torch
     from conftest import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -133,7 +136,8 @@ def prepare(shape: str, directory: str, device: str, seed: int = 0) -> dict:
     ids = dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = Qwen2Config(
         vocab_size=len(tokenizer), num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0,
-        max_position_embeddings=32_768, rms_norm_eps=1e-6, use_sliding_window=False, **ids, **SHAPES[shape],
+        max_position_embeddings=32_768, rms_norm_eps=1e-6, use_sliding_window=False, **ids,
+        **{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})},
     )  # fmt: skip
     torch.manual_seed(seed)
     with torch.device(device):  # random init where the model will run: seconds on a GPU for 1.5B parameters
@@ -236,9 +240,12 @@ def task_inputs(impl: str, s: dict, seed: int, output_dir: str, model_dir: str |
     return dict(model=llama, reward_funcs=[ids_mod_7], train_dataset=data, processing_class=tokenizer)
 
 
-def build_trainer(impl, config, steps, seed, device, output_dir, extra, *, bf16=False, tiny=False, model_dir=None):
-    """The trainer of one run: the shared knobs, the config's task, then `extra` (grpo_hf's only)."""
-    s = settings(config, tiny)
+def build_trainer(
+    impl, config, steps, seed, device, output_dir, extra, *, bf16=False, tiny=False, model_dir=None, overrides=None
+):
+    """The trainer of one run: the shared knobs, the config's task, then `extra` (grpo_hf's only); `overrides`: of the
+    config's settings (e.g. `prompts`, `max_completion_length`)."""
+    s = {**settings(config, tiny), **(overrides or {})}
     kwargs = common_config(s, steps, seed, bf16, device == "cpu", output_dir)
     if s["shape"] and model_dir is None:  # not prepared once for all runs: a random model of this run's own
         prepare(s["shape"], model_dir := os.path.join(output_dir, "model"), device)

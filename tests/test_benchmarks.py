@@ -92,3 +92,26 @@ def test_every_config_and_layout_runs_end_to_end_at_tiny_size():
         assert result.returncode == 0 and row in result.stdout, result.stderr[-3000:]
     result = run_script("benchmarks/profile_step.py", "--tiny", "--config", "J1", "--steps", "2", timeout=600)
     assert result.returncode == 0 and "| total |" in result.stdout, result.stderr[-3000:]
+    options = ["--layers", "1", "--prompts", "1", "--length", "4", "--paths", "trl-triton,trl,per-group,padded"]
+    result = run_script("benchmarks/launch_count.py", *options, timeout=600)
+    assert result.returncode == 0 and "| grpo_hf: padded batch" in result.stdout, result.stderr[-3000:]
+
+
+def test_launch_count_counts_a_launch_per_kernel_and_host_syncs_apart():
+    """Views launch nothing, a CPU's scalar cast or output fill stays inside its operator, a `_foreach_*` operator is
+    one launch, `.item()` is a host sync, and generation is dropped (docs/benchmarks.md)."""
+    import launch_count
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(4, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("count:step"):
+            y = x.t().contiguous()  # a view, then one copy
+            (y + 1).sum().item()  # add (a CPU casts the 1 first), sum (a CPU fills its output first), a sync
+            with record_function("count:generation"):
+                x * 2
+        torch._foreach_add_([x, y], 1.0)  # a CPU loops over the tensors
+    counts = launch_count.tally(prof.events())
+    assert counts["loss fwd+bwd"] == {"aten::copy_": 1, "aten::add": 1, "aten::sum": 1, "host syncs": 1}
+    assert counts["optimizer and rest"] == {"aten::_foreach_add_": 1} and not counts["no-grad log-probs"]
