@@ -11,9 +11,9 @@ inside generation and its decode steps (`generate_seconds`, `decode_steps`: grpo
 (`max_memory_allocated` / `max_memory_reserved` over training; a CUDA graph's pool shows only in the second),
 `compile` (torch.compile's counters) and, from the last generation call replayed under `torch.profiler`, `kernels`
 and host-side `launches` (a CUDA graph replay is one) for its `replay_decode_steps`; grpo_hf's `engine`, `engine_log`
-(which engine and why, compile times) and `fast_path` (the shared-prefix forward applied); `status` ("ok", "oom",
-"error" with `error`). A grpo_hf `cuda_graph` run whose decode did not replay a CUDA graph ends in "error", so that a
-lost graph cannot pass for a slow engine.
+(which engine and why, compile times, the log-prob path planned) and `fast_path` (the shared prefix allowed);
+`status` ("ok", "oom", "error" with `error`). A grpo_hf `cuda_graph` run whose decode did not replay a CUDA graph
+ends in "error", so that a lost graph cannot pass for a slow engine.
 
 `--prepare DIR` saves a config's random model (`SHAPES`, bf16) and its tokenizer (`build_tiny_tokenizer` of
 `tests/conftest.py`, padded to the vocabulary) to DIR, for all runs to load.
@@ -413,7 +413,7 @@ def instrument(impl: str, record: dict, meter: GenerationMeter, engine_attrs: di
     GRPOTrainer.training_step = meter.phase("training_step", GRPOTrainer.training_step)
     for key, value in engine_attrs.items():
         setattr(CUDAGraphEngine, key, value)
-    for name in ("grpo_hf.experience", "grpo_hf.rollout"):
+    for name in ("grpo_hf.experience", "grpo_hf.rollout", "grpo_hf.forward_plan"):
         logging.getLogger(name).setLevel(logging.INFO)
         logging.getLogger(name).addHandler(_Lines(record["engine_log"]))
 
