@@ -209,13 +209,17 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def _vocab_size(model: nn.Module) -> int:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _lm_head(model)
     return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
 
 
 def _logit_bytes(model: nn.Module) -> int:
     """Bytes per logit: 4 for a float32 LM head (`cast_lm_head_to_fp32`, a float32 model, where autocast may still
     give bf16: the larger is assumed), else 2."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _lm_head(model)
     return 4 if head is None or head.weight.dtype == torch.float32 else 2
