@@ -204,10 +204,45 @@ def test_cited_benchmark_commands_take_their_flags_and_configs(document):
                 )
 
 
+PYTHON_TAGS = ("python", "py", "python3")
+BLOCK = re.compile(r"^```(?P<tag>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
+NOT_RUN = re.compile(r"<!-- not-run: (?P<reason>.*?) -->")
+
+
+def python_blocks(document: Path) -> list[tuple[str, str, str | None]]:
+    """(name, code, reason) for each Python block of a page: name "docs/x.md, python block N" (N from 1), reason the
+    text of a `<!-- not-run: reason -->` comment on the last non-blank line before the block, else None (the block
+    runs: tests/test_docs_examples.py). Blocks tagged python, py or python3 are Python; other blocks never run."""
+    text, blocks = _read(document), []
+    for block in BLOCK.finditer(text):
+        if block["tag"].strip() not in PYTHON_TAGS:
+            continue
+        line_before = text[: block.start()].rstrip("\n").rpartition("\n")[2]
+        marker = NOT_RUN.fullmatch(line_before.strip())
+        name = f"{_name(document)}, python block {len(blocks) + 1}"
+        blocks.append((name, block["code"], marker["reason"].strip() if marker else None))
+    return blocks
+
+
 @pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
 def test_python_examples_compile(document):
-    for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", _read(document), re.M | re.S)):
-        compile(block, f"{_name(document)}, python block {number + 1}", "exec")
+    for name, code, _ in python_blocks(document):
+        compile(code, name, "exec")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
+def test_each_not_run_marker_gives_a_reason_and_marks_a_python_block(document):
+    """`<!-- not-run: reason -->` is the only way to keep a Python block from running, so each one must sit on the
+    line just before a Python block and say why; a misplaced marker would mark nothing and leave its block running."""
+    marked = sum(reason is not None for _, _, reason in python_blocks(document))
+    markers = re.findall(r"<!--\s*not[-_ ]?run\b.*?-->", _prose(_read(document)), re.S)  # not those quoted in code
+    for marker in markers:
+        match = NOT_RUN.fullmatch(marker)
+        assert match and match["reason"].strip(), f"{_name(document)}: write {marker!r} as <!-- not-run: reason -->"
+    assert marked == len(markers), (
+        f"{_name(document)} has {len(markers)} not-run markers but {marked} mark a Python block: put each on the "
+        "line just before the ```python line"
+    )
 
 
 def test_nothing_refers_to_a_file_outside_the_repository():
