@@ -116,7 +116,8 @@ GEMMA_TEMPLATE = (
 
 def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
     """(model, processor): a Gemma 3 (2 text layers, full attention; a 1-layer SigLIP tower on 28x28 images, 2x2
-    patches, 4 image tokens per image, one entry of `pixel_values` per image) and its processor."""
+    patches, 4 image tokens per image, one entry of `pixel_values` per image) and its processor. Its projector's
+    weight is drawn, not zero, so the image tokens carry the image."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -159,7 +160,16 @@ def tiny_gemma3(seed: int = 0, hidden_size: int = 32):
         image_token_index=ids("<image_soft_token>"),
         **special_ids(tokenizer),
     )
-    return seeded(Gemma3ForConditionalGeneration, config, seed, tokenizer), processor
+    model = seeded(Gemma3ForConditionalGeneration, config, seed, tokenizer)
+    # transformers initialises the projector's weight to zeros (a trained checkpoint's is not): every image token would
+    # then embed to exactly 0, so images would not change the outputs nor the tower get a gradient, and the decoder's
+    # first RMSNorm, whose gradient at 0 is 1 / sqrt(eps) = 1000, would blow the projector's gradient up to ~4e4 and
+    # the fp32 rounding of its cancelling sums with it. Drawn like the other weights, image tokens embed like text.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        projection.normal_(0.0, config.text_config.initializer_range, generator=generator)
+    return model, processor
 
 
 IDEFICS_IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
