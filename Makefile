@@ -41,8 +41,11 @@ demo: install
 demo-tools: install
 	$(PY) recipes/tools.py --config recipes/tools_cpu.yaml
 
+# The suite under this CPU's own kernels; then tests/kernel_paths.py reruns the tests marked kernel_paths (log-prob
+# paths against each other) under ATen's `default` and `avx2` kernels, so a kernel-dependent difference fails anywhere.
 test: install install-vllm
 	$(PY) -m pytest -q -m "not benchmark and not vllm" tests
+	$(PY) tests/kernel_paths.py
 	$(VLLM_PY) -m pytest -q -m "vllm and not benchmark" tests
 
 lint: install

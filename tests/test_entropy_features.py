@@ -258,6 +258,7 @@ def test_settings_are_validated(tmp_path, caplog):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_paths
 def test_backward_per_group_with_the_entropy_bonus_gives_the_full_backward(tokenizer):
     model = build_tiny_model(tokenizer, seed=5)
     batch = logprob_batch(tokenizer)
@@ -327,6 +328,7 @@ def plain_update(tmp_path_factory, tokenizer):
     return one_sgd_step(tmp_path_factory.mktemp("plain"), tokenizer, share_prompt_prefix=True)[1]
 
 
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("case", list(PATH_CASES))
 def test_padded_and_fast_paths_give_the_same_update(tmp_path, tokenizer, case, plain_update):
     """2 groups of 4 per micro-batch; the features change the update, identically on both log-prob paths."""

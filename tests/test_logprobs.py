@@ -28,6 +28,7 @@ def _batch(tokenizer):
     return MicroBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages=torch.zeros(6))
 
 
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_shared_prompt_prefix_logps_equal_the_padded_forward(tokenizer, arch):
     model = build_tiny_model(tokenizer, arch, seed=2)
@@ -48,6 +49,7 @@ def test_shared_prompt_prefix_logps_equal_the_padded_forward(tokenizer, arch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.kernel_paths
 def test_padded_logps_are_log_softmax_of_a_naive_forward(tokenizer):
     """Against the definition: log softmax(logits / temperature) at each completion token, position by position."""
     model = build_tiny_model(tokenizer, seed=3)
@@ -62,6 +64,7 @@ def test_padded_logps_are_log_softmax_of_a_naive_forward(tokenizer):
             torch.testing.assert_close(logps[i, t].double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.kernel_paths
 def test_logps_in_chunks_is_no_grad_eval_mode_and_chunk_invariant(tokenizer):
     model = build_tiny_model(tokenizer, seed=4).train()
     batch = _batch(tokenizer)
@@ -72,6 +75,7 @@ def test_logps_in_chunks_is_no_grad_eval_mode_and_chunk_invariant(tokenizer):
     torch.testing.assert_close(whole * mask, parts * mask, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_backward_per_group_gives_the_full_backward(tokenizer, loss_type):
     """Accumulating the gradient one group at a time equals one backward of the whole micro-batch's loss."""

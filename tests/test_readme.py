@@ -88,6 +88,21 @@ def test_the_two_setup_commands_are_documented_and_wired():
     assert "make test" in _read(ROOT / ".ci" / "run")
 
 
+def test_make_test_reruns_the_kernel_path_tests_under_the_other_cpu_kernels():
+    """`make test` calls tests/kernel_paths.py, which finds marked tests (no empty rerun: pytest's exit 5) and reruns
+    them under each kernel set this CPU runs but the first run's; `avx2` only on CPUs that have it."""
+    import kernel_paths
+
+    test_recipe = re.search(r"^test:.*?\n((?:\t.*\n)+)", _read(ROOT / "Makefile"), re.M).group(1)
+    assert "tests/kernel_paths.py" in test_recipe
+    assert '"kernel_paths:' in _read(ROOT / "pyproject.toml")  # registered, so pytest knows it
+    assert {Path(m).name for m in kernel_paths.marked_modules()} >= {"test_logprobs.py", "test_vision.py"}
+    assert kernel_paths.reruns("avx512", "avx512") == ["default", "avx2"]
+    assert kernel_paths.reruns("avx2", "avx2") == ["default"]
+    assert kernel_paths.reruns("avx512", "default") == ["avx2"]
+    assert kernel_paths.reruns("sve256", "sve256") == ["default"]
+
+
 def test_the_step_diagram_is_the_trainers():
     """The README's step diagram is the one at the top of grpo_hf/trainer.py, line for line."""
     doc = inspect.getdoc(importlib.import_module("grpo_hf.trainer"))

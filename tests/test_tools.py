@@ -415,6 +415,7 @@ def test_a_chat_template_that_cannot_render_tools_is_refused(tmp_path):
 
 
 # ---- every engine: exact ids, and exactly zero gradient on tool output ----------------------------------------------
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("engine", ["loop", "generate", "cuda_graph"])
 def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, engine):
     """A real engine samples; half the tokens end a turn (an odd id is an EOS here), each first turn is read as a call
