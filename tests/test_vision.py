@@ -241,6 +241,46 @@ def test_image_tokens_are_never_sampled(family, engine_name):
     assert torch.isin(sampled[False], torch.tensor(blocked)).float().mean() > 0.9
 
 
+class _TurnsSource:
+    """`loop.decode_turns`' source for text-only rows: each context's turn, handed out once, recorded when it ends."""
+
+    def __init__(self, contexts: list[list[int]], budget: int):
+        self.ready = [(k, context, budget) for k, context in enumerate(contexts)]
+        self.turns: dict[int, list[int]] = {}
+
+    def poll(self, block):
+        ready, self.ready = self.ready, []
+        return ready
+
+    def turn_done(self, key, turn, logps):
+        self.turns[key] = list(turn)
+
+
+def test_tool_episode_turns_never_sample_image_tokens():
+    """`decode_turns` (the loop engine's tool-episode decoder) on a VLM's text-only rows, the image tokens preferred by
+    far: the engine's blocked tokens are never drawn (without the block they nearly always are)."""
+    model, processor = tiny_qwen2_vl()
+    blocked = image_token_ids(model)
+    boost = torch.zeros(model.config.text_config.vocab_size)
+    boost[blocked] = 50.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + boost)
+    tokenizer = processor.tokenizer
+    contexts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("row 0: hi", "row one, longer")]
+    config = model.generation_config
+    config.update(do_sample=True, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    sampled = {}
+    for block in (True, False):
+        engine, _ = make_engine(
+            "loop", model, config, [tokenizer.eos_token_id], blocked_token_ids=blocked if block else ()
+        )
+        source = _TurnsSource(contexts, budget=6)
+        torch.manual_seed(0)
+        engine.decode_turns(model, source)
+        sampled[block] = torch.tensor([token for turn in source.turns.values() for token in turn])
+    assert len(sampled[True]) > 0 and not torch.isin(sampled[True], torch.tensor(blocked)).any()
+    assert torch.isin(sampled[False], torch.tensor(blocked)).float().mean() > 0.9
+
+
 def test_engines_without_images_are_skipped():
     model, processor = tiny_qwen2_vl()
     config = model.generation_config
