@@ -16,7 +16,8 @@ from tiny_vlm import image, tiny_gemma3, tiny_idefics3, tiny_qwen2_vl
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.rollout import RolloutEngine, Sequences, make_engine, register_engine
-from grpo_hf.rollout.vision import tokenize_vision_prompts, with_images
+from grpo_hf.rollout.tools import tool_reply_ids
+from grpo_hf.rollout.vision import tokenize_vision_prompts, tool_reply_inputs, with_images
 from grpo_hf.vision import (
     FEATURES,
     LANGUAGE_MODELS,
@@ -535,6 +536,7 @@ def test_buffered_micro_batches_with_images_survive_a_checkpoint(tmp_path):
 
 # ---- tool episodes: a tool's reply with images --------------------------------------------------------------------
 QWEN3_VL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen3_vl.jinja").read_text()  # renders tools
+QWEN2_5_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()  # no images there
 
 
 def look(index: int) -> list | str:
@@ -643,3 +645,15 @@ def test_a_tools_images_are_read_by_the_next_turn_and_the_training_forward(tmp_p
         expected = torch.log_softmax(logits, -1).gather(1, input_ids[0, prompt.numel() :, None])[:, 0]
         sampled = batch.completion_mask[row, :n].bool()
         torch.testing.assert_close(logps[row, :n][sampled], expected[sampled], rtol=0, atol=1e-5)
+
+
+def test_a_template_that_cannot_place_a_tools_image_is_an_error():
+    """TRL's Qwen2.5 template renders tools but not images in tool messages: a reply with an image is refused,
+    naming the problem, rather than leaving the image out of what the model reads."""
+    _, processor = tiny_qwen2_vl()
+    processor.chat_template = processor.tokenizer.chat_template = QWEN2_5_TEMPLATE
+    reply = {"role": "tool", "name": "look", "content": look(0)}
+    with pytest.raises(ValueError, match=r"A tool replied with 1 image\(s\), which the processor could not place"):
+        tool_reply_inputs(processor, [reply], {})
+    text = [{"role": "tool", "name": "look", "content": look(1)}]  # a reply without images: the tokenizer's ids
+    assert tool_reply_inputs(processor, text, {}) == (tool_reply_ids(processor.tokenizer, text, {}), None)

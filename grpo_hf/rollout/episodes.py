@@ -109,6 +109,7 @@ class EpisodeRunner:
         self.caller = ToolCaller(tool_timeout)
         self.parse = parse_turn  # (tokenizer, turn ids, context ids, tools) -> the assistant message of a turn
         self._has_logps = False  # whether the engine gave its log-probs (vLLM)
+        self.device = None  # the run's device, where the image inputs of tool replies go
 
     def run(
         self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
@@ -156,7 +157,7 @@ class EpisodeRunner:
         return self._as_rows(episodes, prompt_ids.device, *source.counts)
 
     def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
-        self.device = prompt_ids.device  # where the image inputs of tool replies go
+        self.device = prompt_ids.device
         return [
             _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
             for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
@@ -237,6 +238,7 @@ class EpisodeRunner:
         completion_ids, attended = pad_token_lists([e.ids for e in episodes], pad, left=False)  # [B, T] each
         sampled, _ = pad_token_lists([e.sampled for e in episodes], 0, left=False)
         T = completion_ids.size(1)
+        images = [e.image_row for e in episodes]  # [B] each episode's tool-reply images, None for none
         logps = torch.zeros((len(episodes), T), dtype=torch.float32)
         for i, episode in enumerate(episodes):
             logps[i, : len(episode.logps)] = torch.tensor(episode.logps, dtype=torch.float32)
@@ -249,7 +251,7 @@ class EpisodeRunner:
             messages=[e.messages for e in episodes],
             tool_calls=tool_calls,
             tool_failures=tool_failures,
-            image_inputs=images if has_images(images := [e.image_row for e in episodes]) else None,
+            image_inputs=images if has_images(images) else None,
         )
 
 

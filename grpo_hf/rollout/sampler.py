@@ -180,8 +180,9 @@ class Sampler:
         """Tool episodes: reset each row's environment, render its prompt with its tools, run the episodes."""
         if any(row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))):
             raise ValueError(
-                "Tool episodes do not take images yet: rows with `image`/`images` and tools= or environment_factory= "
-                "cannot be combined (docs/vision.md). Drop the image columns or the tools."
+                "Tool episodes do not take prompt images yet (a tool's reply may hold images): rows with `image`/"
+                "`images` and tools= or environment_factory= cannot be combined (docs/vision.md). Drop the image "
+                "columns or the tools."
             )
         row_tools = [self.tools] * len(prompts)
         schema_tools = row_tools

@@ -169,5 +169,12 @@ def tool_reply_inputs(
         encoded.update(output)  # the last call's: the stand-in conversation with the replies
         return output["input_ids"][0].tolist()
 
-    ids = tool_reply_ids(tokenizer, replies, template_kwargs, render=render)
+    try:
+        ids = tool_reply_ids(tokenizer, replies, template_kwargs, render=render)
+    except ValueError as error:
+        raise ValueError(
+            f"A tool replied with {len(reply_images(replies))} image(s), which the processor could not place in the "
+            "tool message as the chat template renders it. Use a chat template that renders image parts in tool "
+            f"messages (for example TRL's trl/chat_templates/qwen3_vl.jinja), or return text. The processor: {error}"
+        ) from error
     return ids, {k: v for k, v in encoded.items() if k not in PER_TOKEN_FIELDS and isinstance(v, torch.Tensor)}
