@@ -8,7 +8,8 @@ Functions of `(model, batch, ...)`, testable without a trainer. A batch is a `ro
 The tricks, each exact (same maths as one padded forward, float rounding aside):
 
 - **Shared prompt prefix** (`shared_prefix_logits`): each group's prompt goes through the decoder
-  once; its G completions attend to its cached keys/values. No compute on repeated prompts.
+  once; its G completions attend to its cached keys/values. No compute on repeated prompts. (Not for a batch with
+  images inside its completions, a tool's reply in an episode: `images_in_completions`.)
 - **Length buckets** (`length_buckets`): a group's completions are split by length into at most two
   buckets, each cut to its longest completion. Little compute on padding.
 - **LM head only where needed** and **chunked log-softmax** (`core.selective_log_softmax`): logits
@@ -33,6 +34,8 @@ from grpo_hf.forward_plan import ForwardPlan, Planner
 from grpo_hf.peft_utils import base_model, is_peft_model
 from grpo_hf.vision import (
     forward_kwargs,
+    has_images,
+    image_token_ids,
     is_vision_model,
     multimodal_model,
     position_offsets,
@@ -106,6 +109,18 @@ def shared_prefix_blocker(
     if not supports_shared_prefix(module):
         return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
     return None
+
+
+def images_in_completions(model: nn.Module, batch: Batch) -> bool:
+    """Whether image tokens sit in some row's completion (the images of a tool reply in an episode): the shared-prefix
+    forward runs the completions through the language model alone, so such a batch takes the padded forward."""
+    if not has_images(batch.image_inputs):
+        return False
+    return bool(
+        torch.isin(
+            batch.completion_ids, torch.tensor(image_token_ids(model), device=batch.completion_ids.device)
+        ).any()
+    )
 
 
 def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch.Tensor]:
@@ -394,7 +409,14 @@ class LogprobPath:
 
     def plan(self, model: nn.Module, batch: Batch, grad: bool = True) -> ForwardPlan:
         """The `ForwardPlan` of `batch` on `model` (as Trainer holds it); `grad=False` for a no-grad pass."""
-        return self.planner.plan(self.accelerator.unwrap_model(model), batch, self.blocker(model), grad)
+        return self.planner.plan(self.accelerator.unwrap_model(model), batch, self._blocker(model, batch), grad)
+
+    def _blocker(self, model: nn.Module, batch: Batch) -> str | None:
+        """`blocker`, and for `batch`: images inside its completions (`images_in_completions`)."""
+        blocker = self.blocker(model)
+        if blocker is None and images_in_completions(self.accelerator.unwrap_model(model), batch):
+            blocker = "images inside the completions (tool replies), which the shared-prefix forward does not read"
+        return blocker
 
     def kwargs(self, plan: ForwardPlan) -> dict:
         """The keyword arguments of `completion_logps` under `plan`."""
@@ -403,6 +425,7 @@ class LogprobPath:
     def no_grad(self, model: nn.Module, batch: Batch, **kwargs):
         """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy), autocast on: the
         fast path calls the decoder and LM head directly, not the autocast-wrapped forward."""
-        plan = self.plan(model, batch.rows(0, self.micro_batch_size), grad=False)
+        first = batch.rows(0, self.micro_batch_size)  # the memory plan's sample; the images' check reads every row
+        plan = self.planner.plan(self.accelerator.unwrap_model(model), first, self._blocker(model, batch), grad=False)
         with self.accelerator.autocast():
             return logps_in_chunks(model, batch, self.micro_batch_size, **{**self.kwargs(plan), **kwargs})

@@ -5,16 +5,19 @@ micro-batching, image tokens never sampled, image features computed once per pro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import trl
 from conftest import tiny_run_args
 from datasets import Dataset
 from tiny_vlm import image, tiny_gemma3, tiny_idefics3, tiny_qwen2_vl
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.rollout import RolloutEngine, Sequences, make_engine, register_engine
-from grpo_hf.rollout.vision import tokenize_vision_prompts, with_images
+from grpo_hf.rollout.tools import tool_reply_ids
+from grpo_hf.rollout.vision import tokenize_vision_prompts, tool_reply_inputs, with_images
 from grpo_hf.vision import (
     FEATURES,
     LANGUAGE_MODELS,
@@ -256,6 +259,46 @@ def test_image_tokens_are_never_sampled(family, engine_name):
         completions = engine.generate(model, prompt_ids, prompt_mask, images=rows)
         sampled[bool(block)] = completions.completion_ids[completions.completion_mask.bool()]
     assert not torch.isin(sampled[True], torch.tensor(blocked)).any()
+    assert torch.isin(sampled[False], torch.tensor(blocked)).float().mean() > 0.9
+
+
+class _TurnsSource:
+    """`loop.decode_turns`' source for text-only rows: each context's turn, handed out once, recorded when it ends."""
+
+    def __init__(self, contexts: list[list[int]], budget: int):
+        self.ready = [(k, context, budget) for k, context in enumerate(contexts)]
+        self.turns: dict[int, list[int]] = {}
+
+    def poll(self, block):
+        ready, self.ready = self.ready, []
+        return ready
+
+    def turn_done(self, key, turn, logps):
+        self.turns[key] = list(turn)
+
+
+def test_tool_episode_turns_never_sample_image_tokens():
+    """`decode_turns` (the loop engine's tool-episode decoder) on a VLM's text-only rows, the image tokens preferred by
+    far: the engine's blocked tokens are never drawn (without the block they nearly always are)."""
+    model, processor = tiny_qwen2_vl()
+    blocked = image_token_ids(model)
+    boost = torch.zeros(model.config.text_config.vocab_size)
+    boost[blocked] = 50.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + boost)
+    tokenizer = processor.tokenizer
+    contexts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("row 0: hi", "row one, longer")]
+    config = model.generation_config
+    config.update(do_sample=True, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    sampled = {}
+    for block in (True, False):
+        engine, _ = make_engine(
+            "loop", model, config, [tokenizer.eos_token_id], blocked_token_ids=blocked if block else ()
+        )
+        source = _TurnsSource(contexts, budget=6)
+        torch.manual_seed(0)
+        engine.decode_turns(model, source)
+        sampled[block] = torch.tensor([token for turn in source.turns.values() for token in turn])
+    assert len(sampled[True]) > 0 and not torch.isin(sampled[True], torch.tensor(blocked)).any()
     assert torch.isin(sampled[False], torch.tensor(blocked)).float().mean() > 0.9
 
 
@@ -514,3 +557,128 @@ def test_buffered_micro_batches_with_images_survive_a_checkpoint(tmp_path):
     assert rows[0] is rows[1] and rows[2] is rows[3] and FEATURES in rows[0]
     logps = trainer.logps.no_grad(trainer.model, loaded)
     torch.testing.assert_close(logps, trainer.logps.no_grad(trainer.model, batches[0]), rtol=0, atol=0)
+
+
+# ---- tool episodes: a tool's reply with images --------------------------------------------------------------------
+QWEN3_VL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen3_vl.jinja").read_text()  # renders tools
+QWEN2_5_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()  # no images there
+
+
+def look(index: int) -> list | str:
+    """Look at a picture: picture 0 is an image, the others are missing.
+
+    Args:
+        index: Which picture.
+    """
+    if index == 0:
+        return [{"type": "image", "image": image(40, 56, 84)}, {"type": "text", "text": "picture 0"}]
+    return f"no picture {index}"
+
+
+def _tool_vlm_trainer(tmp_path, engine: str) -> GRPOTrainer:
+    """A tiny Qwen2-VL with a chat template that renders tools and images in tool replies, the `look` tool, and
+    text-only prompts; each first turn is read as a call of `look` with the prompt's row (row 0 gets a picture, row 1
+    text), each later one as a plain answer. Its EOS is favoured (turns of a few tokens)."""
+    model, processor = tiny_qwen2_vl(seed=2)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN3_VL_TEMPLATE
+    eos = processor.tokenizer.eos_token_id
+    boost = torch.zeros(model.config.text_config.vocab_size)
+    boost[eos] = 6.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + boost)
+    rows = [{"prompt": [{"role": "user", "content": f"row {k}: look at picture {k}"}]} for k in range(2)]
+    args = tiny_run_args(
+        tmp_path, rollout_engine=engine, max_completion_length=96, max_prompt_length=None, temperature=1.0, beta=0.0
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=token_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+        tools=[look],
+    )
+
+    def parse(tokenizer, ids, context, tools):
+        text = tokenizer.decode(context)
+        if "<tool_response>" in text:
+            return {"role": "assistant", "content": "x"}
+        function = {"name": "look", "arguments": {"index": 0 if "row 0:" in text else 1}}
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+
+    trainer.experience.sampler.episodes.parse = parse
+    return trainer
+
+
+@pytest.mark.parametrize("engine", ["loop", "generate"])
+def test_a_tools_images_are_read_by_the_next_turn_and_the_training_forward(tmp_path, engine):
+    """A tool answers one prompt's episodes with a picture and the other's with text: the picture's replies hold its
+    image tokens (the processor's), the engine call that samples their next turn gets the picture's inputs (with the
+    `loop` engine, after the text episodes' turns have been decoded as they come), and the training forward's
+    log-probs of every row equal those of one plain forward over the row's ids with its picture, if it has one."""
+    trainer = _tool_vlm_trainer(tmp_path, engine)
+    model, processor = trainer.model, trainer.processing_class
+    calls = []
+    original = trainer.experience.sampler.engine_for
+
+    def recording(model):
+        engine = original(model)
+        if not hasattr(engine, "_recorded"):
+            generate, engine._recorded = engine.generate, True
+
+            def generate_recording(model, ids, mask, **kwargs):
+                calls.append((ids.clone(), kwargs.get("images")))
+                return generate(model, ids, mask, **kwargs)
+
+            engine.generate = generate_recording
+        return engine
+
+    trainer.experience.sampler.engine_for = recording
+    torch.manual_seed(0)
+    rows = [row for row in trainer.train_dataset for _ in range(2)]
+    (batch,) = trainer.experience.train_batches(rows)
+
+    picture = processor.image_processor(images=[image(40, 56, 84)], return_tensors="pt")
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    tokens = int(picture["image_grid_thw"].prod()) // 4  # 2x2 patches merged into one token
+    assert batch.image_inputs is not None and len(batch.image_inputs) == 4
+    assert batch.image_inputs[2] is None and batch.image_inputs[3] is None  # row 1's episodes: no picture
+    for row in range(4):
+        assert int((batch.completion_ids[row] == pad).sum()) == (tokens if row < 2 else 0)  # the picture's place
+        assert not batch.completion_mask[row][batch.completion_ids[row] == pad].any()  # read, not trained
+        if row < 2:
+            torch.testing.assert_close(batch.image_inputs[row]["pixel_values"], picture["pixel_values"])
+            torch.testing.assert_close(batch.image_inputs[row]["image_grid_thw"], picture["image_grid_thw"])
+    after_picture = [(ids[k], images[k]) for ids, images in calls if images is not None for k in range(len(ids))]
+    assert len(after_picture) >= 2  # the second turns of row 0's episodes (with `generate`, beside row 1's)
+    for ids, images in after_picture:
+        has_picture = bool((ids == pad).any())
+        assert has_picture == (images is not None)
+        if has_picture:
+            assert int((ids == pad).sum()) == tokens
+            torch.testing.assert_close(images["pixel_values"], picture["pixel_values"])
+    assert sum(bool((ids == pad).any()) for ids, _ in after_picture) == 2
+    assert engine != "loop" or (len(calls) == 1 and len(after_picture) == 2)  # the text episodes: decode_turns alone
+
+    logps = trainer.logps.no_grad(model, batch)  # the training path's log-probs
+    for row in range(4):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()]
+        n = int(batch.attention_mask[row].sum())
+        input_ids = torch.cat([prompt, batch.completion_ids[row, :n]])[None]
+        kwargs = {**picture, "mm_token_type_ids": (input_ids == pad).int()} if row < 2 else {}
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, **kwargs).logits[0, prompt.numel() - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, input_ids[0, prompt.numel() :, None])[:, 0]
+        sampled = batch.completion_mask[row, :n].bool()
+        torch.testing.assert_close(logps[row, :n][sampled], expected[sampled], rtol=0, atol=1e-5)
+
+
+def test_a_template_that_cannot_place_a_tools_image_is_an_error():
+    """TRL's Qwen2.5 template renders tools but not images in tool messages: a reply with an image is refused,
+    naming the problem, rather than leaving the image out of what the model reads."""
+    _, processor = tiny_qwen2_vl()
+    processor.chat_template = processor.tokenizer.chat_template = QWEN2_5_TEMPLATE
+    reply = {"role": "tool", "name": "look", "content": look(0)}
+    with pytest.raises(ValueError, match=r"A tool replied with 1 image\(s\), which the processor could not place"):
+        tool_reply_inputs(processor, [reply], {})
+    text = [{"role": "tool", "name": "look", "content": look(1)}]  # a reply without images: the tokenizer's ids
+    assert tool_reply_inputs(processor, text, {}) == (tool_reply_ids(processor.tokenizer, text, {}), None)

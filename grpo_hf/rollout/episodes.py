@@ -21,6 +21,13 @@ episode's next turn joins the decoding batch at the next token step once they ha
 (`run`), the turns of every episode ready to sample are sampled in one engine call; the runner then waits only until
 *some* tool calls have returned and samples those episodes' next turns, so a slow tool holds back its own episode and
 not the batch. Finished episodes leave the batch.
+
+Images (a VLM, `processor` given): a tool may answer with content parts holding images (`{"type": "image", "image":
+PIL image}`, as in TRL). The processor renders such a reply (`rollout.vision.tool_reply_inputs`): its image tokens
+are in the reply's ids, and its image inputs join the episode's (`Episodes.image_inputs`, one `vision.ImageRow` per
+row, the replies' images in order), which every later turn's generation and the training forwards take. The joining
+decoder (`run_joining`) prefills text only: an episode whose replies brought images goes on, once it is done, with one
+engine call per round of ready turns, as in `run`, whose engines take images (`RolloutEngine.takes_images`).
 """
 
 from __future__ import annotations
@@ -34,10 +41,14 @@ import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
 from grpo_hf.rollout.tools import ToolCaller, ToolCalls, parse_turn, tool_reply_ids
+from grpo_hf.rollout.vision import tool_reply_inputs
+from grpo_hf.vision import ImageRow, has_images, merge_rows
 
-# generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens) -> (completion_ids [n, T], completion_mask [n, T],
-# sampler log-probs [n, T] or None): one engine call.
-Generate = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens, images: [n] `ImageRow` or None, or None) ->
+# (completion_ids [n, T], completion_mask [n, T], sampler log-probs [n, T] or None): one engine call.
+Generate = Callable[
+    [torch.Tensor, torch.Tensor, int, list | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+]
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Episodes:
     messages: list[list[dict[str, Any]]]  # [B] the episode as chat messages: assistant turns and tool replies
     tool_calls: int  # calls made, over the B episodes
     tool_failures: int  # calls that failed (raised, unknown tool, bad arguments, timed out)
+    image_inputs: list[ImageRow | None] | None = None  # [B] the images of each episode's tool replies; None: none
 
 
 @dataclass
@@ -67,6 +79,8 @@ class _Episode:
     rounds: int = 0  # rounds of tool calls so far
     truncated: bool = False
     calls: ToolCalls | None = None  # the calls in flight
+    images: list[ImageRow] = field(default_factory=list)  # the image inputs of each tool reply with images
+    image_row: ImageRow | None = None  # all of them merged (`vision.merge_rows`): what the model reads
 
     @property
     def context(self) -> list[int]:
@@ -85,21 +99,30 @@ class EpisodeRunner:
         max_tool_calling_iterations: int | None = None,
         tool_timeout: float | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        processor=None,
     ):
-        self.tokenizer, self.max_completion_length = tokenizer, max_completion_length
+        """`processor`: a VLM's, which renders tool replies holding images (None: a tokenizer renders every reply)."""
+        self.tokenizer, self.max_completion_length, self.processor = tokenizer, max_completion_length, processor
         self.eos_token_ids = set(eos_token_ids)
         self.max_rounds = max_tool_calling_iterations
         self.template_kwargs = template_kwargs or {}
         self.caller = ToolCaller(tool_timeout)
         self.parse = parse_turn  # (tokenizer, turn ids, context ids, tools) -> the assistant message of a turn
         self._has_logps = False  # whether the engine gave its log-probs (vLLM)
+        self.device = None  # the run's device, where the image inputs of tool replies go
 
     def run(
         self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
     ) -> Episodes:
         """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row)."""
         episodes = self._start(prompt_ids, prompt_mask, tools)
-        ready, in_flight, counts = list(episodes), [], [0, 0]
+        counts = [0, 0]
+        self._rounds(generate, list(episodes), counts)
+        return self._as_rows(episodes, prompt_ids.device, *counts)
+
+    def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int]) -> None:
+        """Sample the turns of the `ready` episodes, one engine call per round of ready turns, until all are done."""
+        in_flight = []
         while ready or in_flight:
             if ready:
                 in_flight += self._sample_turns(generate, ready)
@@ -107,21 +130,34 @@ class EpisodeRunner:
             if in_flight:
                 self.caller.wait_any([e.calls for e in in_flight])
                 ready, in_flight = self._take_replies(in_flight, counts)
-        return self._as_rows(episodes, prompt_ids.device, *counts)
 
     def run_joining(
-        self, decode: Callable[[_Turns], None], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools
+        self,
+        decode: Callable[[_Turns], None],
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        tools,
+        generate: Generate | None = None,
     ) -> Episodes:
         """`run` on an engine that decodes turns as they come (`decode(source)`, the `loop` engine's
         `decode_turns`): a turn whose tools have returned joins the decoding batch at the next token step, and a
-        turn's tools start as soon as it ends."""
+        turn's tools start as soon as it ends. Episodes whose tool replies brought images go on afterwards by
+        `generate` (as in `run`): the joining decoder prefills text only."""
         episodes = self._start(prompt_ids, prompt_mask, tools)
         source = _Turns(self, episodes)
         decode(source)
+        if source.held:
+            if generate is None:
+                raise ValueError(
+                    "A tool replied with images, which the joining decoder (the `loop` engine's decode_turns) does "
+                    "not take, and run_joining was given no `generate` to sample the episode's next turns with them."
+                )
+            self._rounds(generate, [episodes[k] for k in source.held], source.counts)
         self._has_logps = False  # the engine's own draw: the policy's log-probs, nothing to correct
         return self._as_rows(episodes, prompt_ids.device, *source.counts)
 
     def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
+        self.device = prompt_ids.device
         return [
             _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
             for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
@@ -136,7 +172,10 @@ class EpisodeRunner:
         ask for them and return those episodes."""
         budgets = [self.budget(e) for e in ready]
         ids, mask = pad_token_lists([e.context for e in ready], self.tokenizer.pad_token_id, left=True)
-        completion_ids, completion_mask, logps = generate(ids, mask, max(budgets))  # [n, T] each
+        images = [e.image_row for e in ready]  # [n] the images of each episode's tool replies
+        completion_ids, completion_mask, logps = generate(
+            ids, mask, max(budgets), images if has_images(images) else None
+        )  # [n, T] each
         self._has_logps = logps is not None
         completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
         logps = logps.cpu() if logps is not None else None
@@ -174,10 +213,13 @@ class EpisodeRunner:
             counts[0] += len(replies)
             counts[1] += failures
             episode.calls, episode.rounds = None, episode.rounds + 1
-            reply_ids = tool_reply_ids(self.tokenizer, replies, self.template_kwargs)
+            reply_ids, images = self._reply_inputs(replies)
             if len(episode.ids) + len(reply_ids) >= self.max_completion_length:  # no room left to answer: drop it
                 episode.truncated = True
                 continue
+            if images is not None:
+                episode.images.append({k: v.to(self.device) for k, v in images.items()})
+                episode.image_row = merge_rows(episode.images)
             episode.ids += reply_ids
             episode.sampled += [0] * len(reply_ids)
             episode.logps += [0.0] * len(reply_ids)
@@ -185,11 +227,18 @@ class EpisodeRunner:
             ready.append(episode)
         return ready, waiting
 
+    def _reply_inputs(self, replies: list[dict[str, Any]]) -> tuple[list[int], ImageRow | None]:
+        """The ids of tool messages `replies` and, with a VLM's processor, their images' inputs (None: no image)."""
+        if self.processor is None:
+            return tool_reply_ids(self.tokenizer, replies, self.template_kwargs), None
+        return tool_reply_inputs(self.processor, replies, self.template_kwargs)
+
     def _as_rows(self, episodes: list[_Episode], device, tool_calls: int, tool_failures: int) -> Episodes:
         pad = self.tokenizer.pad_token_id
         completion_ids, attended = pad_token_lists([e.ids for e in episodes], pad, left=False)  # [B, T] each
         sampled, _ = pad_token_lists([e.sampled for e in episodes], 0, left=False)
         T = completion_ids.size(1)
+        images = [e.image_row for e in episodes]  # [B] each episode's tool-reply images, None for none
         logps = torch.zeros((len(episodes), T), dtype=torch.float32)
         for i, episode in enumerate(episodes):
             logps[i, : len(episode.logps)] = torch.tensor(episode.logps, dtype=torch.float32)
@@ -202,6 +251,7 @@ class EpisodeRunner:
             messages=[e.messages for e in episodes],
             tool_calls=tool_calls,
             tool_failures=tool_failures,
+            image_inputs=images if has_images(images) else None,
         )
 
 
@@ -212,6 +262,7 @@ class _Turns:
     def __init__(self, runner: EpisodeRunner, episodes: list[_Episode]):
         self.runner, self.episodes = runner, episodes
         self.ready, self.in_flight, self.counts = list(range(len(episodes))), [], [0, 0]
+        self.held: list[int] = []  # episodes whose tool replies brought images: for `run_joining` to go on with
 
     def poll(self, block: bool) -> list[tuple[int, list[int], int]]:
         """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait for
@@ -232,5 +283,6 @@ class _Turns:
         calling = [self.episodes[k] for k in self.in_flight]
         ready, waiting = self.runner._take_replies(calling, self.counts)
         index = {id(e): k for k, e in enumerate(self.episodes)}
-        self.ready += [index[id(e)] for e in ready]
+        self.held += [index[id(e)] for e in ready if e.image_row is not None]
+        self.ready += [index[id(e)] for e in ready if e.image_row is None]
         self.in_flight = [index[id(e)] for e in waiting]

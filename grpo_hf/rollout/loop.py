@@ -57,7 +57,9 @@ class LoopEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
-            decode_turns(model, source, self.generation_config, self.eos_token_ids)
+            decode_turns(
+                model, source, self.generation_config, self.eos_token_ids, blocked_token_ids=self.blocked_token_ids
+            )
         finally:
             model.train(was_training)
 
@@ -227,28 +229,32 @@ class _Decoding:
 
 
 @torch.no_grad()
-def decode_turns(model, source, generation_config, eos_token_ids: Sequence[int]) -> None:
+def decode_turns(
+    model, source, generation_config, eos_token_ids: Sequence[int], blocked_token_ids: Sequence[int] = ()
+) -> None:
     """Sample turns as `source` hands them out, each row joining the decoding batch at the next token step.
 
     `source.poll(block)` gives the rows ready to sample a turn, as `(key, context ids, max new tokens)`; with
     `block=True` (nothing left to decode) it waits until some are, and `[]` then means there are no more.
     `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
     the log-probs of its tokens under the sampling distribution; the row leaves the batch. The draw at each step is
-    the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once. Call it
-    in eval mode.
+    the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once;
+    `blocked_token_ids` (a VLM's image tokens) are never drawn. Call it in eval mode.
     """
     config = resolve_sampling_settings(model, generation_config)
     device = next(model.parameters()).device
     eos = torch.tensor(list(eos_token_ids), device=device)
     keyword, cache, rows = cache_keyword(model), None, None
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
+    blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     while True:
         ready = source.poll(block=rows is None)
         if ready:
             cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
         if rows is None:
             return
-        scores = logits_processors(config, rows.mask)(rows.tokens, rows.logits)  # [A, V]
+        logits = rows.logits.index_fill(1, blocked, float("-inf")) if blocked.numel() else rows.logits  # [A, V]
+        scores = logits_processors(config, rows.mask)(rows.tokens, logits)  # [A, V]
         probs = torch.softmax(scores, dim=-1)
         tokens = sample_categorical(probs, torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device))  # [A]
         token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]

@@ -132,6 +132,7 @@ class Sampler:
                 max_tool_calling_iterations=args.max_tool_calling_iterations,
                 tool_timeout=args.tool_timeout,
                 template_kwargs=self.template_kwargs,
+                processor=self.processor,  # a VLM's: renders tool replies with images
             )
 
     def sample(self, prompts: list, columns: dict[str, list]) -> Sampled:
@@ -179,8 +180,9 @@ class Sampler:
         """Tool episodes: reset each row's environment, render its prompt with its tools, run the episodes."""
         if any(row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))):
             raise ValueError(
-                "Tool episodes do not take images yet: rows with `image`/`images` and tools= or environment_factory= "
-                "cannot be combined (docs/vision.md). Drop the image columns or the tools."
+                "Tool episodes do not take prompt images yet (a tool's reply may hold images): rows with `image`/"
+                "`images` and tools= or environment_factory= cannot be combined (docs/vision.md). Drop the image "
+                "columns or the tools."
             )
         row_tools = [self.tools] * len(prompts)
         schema_tools = row_tools
@@ -198,19 +200,27 @@ class Sampler:
         prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts, schema_tools)
         with self.decoding() as (model, engine):
 
-            def generate(ids, mask, max_new_tokens):
+            def generate(ids, mask, max_new_tokens, images):  # images: each row's tool-reply images, or None
                 ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
-                completion_ids, completion_mask, _ = engine.generate(model, ids, mask, max_new_tokens=max_new_tokens)
+                extra = {"images": images} if images is not None else {}
+                completion_ids, completion_mask, _ = engine.generate(
+                    model, ids, mask, max_new_tokens=max_new_tokens, **extra
+                )
                 return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
 
             if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
                 run = self.episodes.run_joining(
-                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools
+                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools, generate
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
         tokens = Sequences(
-            prompt_ids, prompt_mask, run.completion_ids, run.completion_mask, context_mask=run.context_mask
+            prompt_ids,
+            prompt_mask,
+            run.completion_ids,
+            run.completion_mask,
+            context_mask=run.context_mask,
+            image_inputs=run.image_inputs,  # the images of the tool replies, which the forwards read
         )
         return Sampled(
             tokens,

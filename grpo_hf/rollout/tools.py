@@ -79,18 +79,33 @@ def parse_turn(tokenizer, ids: list[int], context: list[int], tools: Sequence[Ca
     return parse_response(tokenizer, ids, prefix=context, tools=list(tools) or None)
 
 
-def tool_reply_ids(tokenizer, replies: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+def tool_reply_ids(
+    tokenizer,
+    replies: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+    render: Callable[[list[dict[str, Any]], bool], list[int]] | None = None,
+) -> list[int]:
     """The ids the chat template puts after an assistant turn that ended with its EOS, for the tool messages
     `replies`, up to and including the next assistant header: what the model reads before its next turn.
 
     Rendered on a stand-in conversation, with and without the replies; the difference is the reply. The stand-in's
-    assistant turn is cut after its last EOS, as the sampled turn is (a template may put a newline after it)."""
+    assistant turn is cut after its last EOS, as the sampled turn is (a template may put a newline after it).
+    `render(messages, add_generation_prompt)`: a conversation's ids (default: the tokenizer's chat template; a VLM's
+    processor renders replies with images, `rollout.vision.tool_reply_inputs`)."""
+    if render is None:
+
+        def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+            return tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+
     call = [{"type": "function", "function": {"name": replies[0]["name"], "arguments": {}}}]
     head = [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": call}]
-    prefix = tokenizer.apply_chat_template(head, tokenize=True, return_dict=False, **template_kwargs)
-    full = tokenizer.apply_chat_template(
-        head + replies, tokenize=True, return_dict=False, add_generation_prompt=True, **template_kwargs
-    )
+    prefix, full = render(head, False), render(head + replies, True)
     ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if ends:
         prefix = prefix[: ends[-1] + 1]

@@ -15,6 +15,10 @@ row), beside its `prompt`:
 `tokenize_vision_prompts` renders and tokenizes each distinct prompt (a group's G copies together) once, with its
 own images, and returns, beside the ids, one `vision.ImageRow` per row: that prompt's image inputs (shared by its
 G rows), or None for a text-only row.
+
+A tool may answer with content parts holding images (`[{"type": "image", "image": PIL image}, {"type": "text",
+...}]`, as TRL's tools do): `tool_reply_inputs` renders such a reply with the processor, which puts the model's image
+tokens in the places the chat template gives the images, and returns the reply's image inputs beside its ids.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
 from grpo_hf.rollout.prompts import is_conversational
+from grpo_hf.rollout.tools import tool_reply_ids
 from grpo_hf.vision import PER_TOKEN_FIELDS, ImageRow, tokenizer_of
 
 IMAGE_COLUMNS = ("image", "images")
@@ -128,3 +133,48 @@ def tokenize_vision_prompts(
     prompt_ids = unique_ids.repeat_interleave(repeats, dim=0)  # [N, P]
     prompt_mask = unique_mask.repeat_interleave(repeats, dim=0)  # [N, P]
     return prompt_ids, prompt_mask, torch.tensor(truncated), rows
+
+
+def reply_images(replies: Sequence[dict[str, Any]]) -> list:
+    """The images in the content parts of tool messages `replies` (`{"type": "image", "image": ...}`), in order."""
+    return [
+        part["image"]
+        for reply in replies
+        if isinstance(reply.get("content"), list)
+        for part in reply["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
+
+
+def tool_reply_inputs(
+    processor, replies: list[dict[str, Any]], template_kwargs: dict[str, Any]
+) -> tuple[list[int], ImageRow | None]:
+    """`tools.tool_reply_ids` for a VLM, and the replies' image inputs (None when they hold no image): replies with
+    images are rendered and tokenized by `processor` (its `apply_chat_template`), which expands each image's place to
+    the model's image tokens for that image."""
+    tokenizer = tokenizer_of(processor)
+    if not reply_images(replies):
+        return tool_reply_ids(tokenizer, replies, template_kwargs), None
+    encoded = {}
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        output = processor.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+        encoded.update(output)  # the last call's: the stand-in conversation with the replies
+        return output["input_ids"][0].tolist()
+
+    try:
+        ids = tool_reply_ids(tokenizer, replies, template_kwargs, render=render)
+    except ValueError as error:
+        raise ValueError(
+            f"A tool replied with {len(reply_images(replies))} image(s), which the processor could not place in the "
+            "tool message as the chat template renders it. Use a chat template that renders image parts in tool "
+            f"messages (for example TRL's trl/chat_templates/qwen3_vl.jinja), or return text. The processor: {error}"
+        ) from error
+    return ids, {k: v for k, v in encoded.items() if k not in PER_TOKEN_FIELDS and isinstance(v, torch.Tensor)}
