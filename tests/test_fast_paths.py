@@ -155,3 +155,72 @@ def assert_draws_follow_the_model(model, tokenizer, sample, settings=None):
     for left_out in settings:  # the check above can tell each setting apart
         others = {k: v for k, v in settings.items() if k != left_out}
         assert total_variation(_next_token_probs(model, prompt, others)[0], p1) > 3 * tolerance, left_out
+
+
+# ---- per-row random streams (tool episodes) -------------------------------------------------------------------------
+def _splitmix_uniform(seed: int, stream: int, counter: int) -> float:
+    """`counter_uniform`, written out on Python integers modulo 2**64."""
+    mask = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    gamma = 0x9E3779B97F4A7C15
+    key = mix((mix((seed + stream * gamma) & mask) + counter * gamma) & mask)
+    return (key >> 11) * 2.0**-53
+
+
+def test_counter_uniform_is_a_hash_of_seed_stream_and_counter():
+    from grpo_hf.rollout.sampling import RowDraws, counter_uniform
+
+    seed, streams, counters = -(2**62) + 12345, torch.tensor([0, 1, 7, 2**33 + 5]), torch.tensor([0, 3, 2**40, 9])
+    got = counter_uniform(seed, streams, counters)  # [4, 1]
+    expected = [
+        _splitmix_uniform(seed % 2**64, s, c) for s, c in zip(streams.tolist(), counters.tolist(), strict=True)
+    ]
+    assert got.squeeze(1).tolist() == expected
+    # A row's draws are its own: the same numbers alone, in another batch, in another order.
+    draws = RowDraws(seed, torch.tensor([4, 9]), torch.tensor([2, 0]))
+    batch = [draws.uniform().squeeze(1).tolist() for _ in range(3)]
+    alone = RowDraws(seed, torch.tensor([9]), torch.tensor([0]))
+    assert [alone.uniform().item() for _ in range(3)] == [row[1] for row in batch]
+    # Uniform on [0, 1): the mean, the variance and ten equal bins of 100,000 draws.
+    many = counter_uniform(seed, torch.arange(1000).repeat_interleave(100), torch.arange(100).repeat(1000))
+    assert 0 <= float(many.min()) and float(many.max()) < 1
+    assert abs(float(many.mean()) - 0.5) < 0.005 and abs(float(many.var()) - 1 / 12) < 0.002
+    bins = torch.histc(many.float(), bins=10, min=0, max=1) / many.numel()
+    torch.testing.assert_close(bins, torch.full((10,), 0.1), atol=0.005, rtol=0)
+
+
+@torch.no_grad()
+def test_generate_draws_each_row_from_its_own_stream_whatever_its_batch(tokenizer):
+    """`model.generate` with `draws` (`DrawFromStreams`): each row's completion is the same sampled alone or beside
+    other rows of other lengths, and is the one a naive loop gives (full forward, the warpers, the inverse CDF of the
+    row's uniform); the global generator plays no part."""
+    from grpo_hf.rollout.sampling import RowDraws, counter_uniform
+
+    model = build_tiny_model(tokenizer, seed=3).eval()
+    settings = dict(temperature=0.8, top_k=40, top_p=0.95)
+    config = GenerationConfig(
+        max_new_tokens=6, do_sample=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=[], **settings
+    )
+    engine, _ = make_engine("generate", model, config, [])
+    ids, mask, _ = tokenize_prompts(tokenizer, ["Hi", "A longer prompt, this one", "Mid length"])
+    seed, streams, counters = 1234, torch.tensor([5, 6, 7]), torch.tensor([0, 3, 10])
+    torch.manual_seed(0)
+    together = engine.generate(model, ids, mask, draws=RowDraws(seed, streams, counters)).completion_ids
+    for row in range(3):
+        prompt = ids[row : row + 1, mask[row].bool()]  # [1, P] without padding
+        torch.manual_seed(row + 1)  # another global state: it must not matter
+        draws = RowDraws(seed, streams[row : row + 1], counters[row : row + 1])
+        alone = engine.generate(model, prompt, torch.ones_like(prompt), draws=draws).completion_ids
+        assert alone.tolist() == together[row : row + 1].tolist()
+        naive = prompt
+        for t in range(6):
+            probs = _next_token_probs(model, naive, settings)[0].double()  # [V]
+            u = counter_uniform(seed, streams[row : row + 1], counters[row : row + 1] + t).item()
+            token = int((probs.cumsum(0) > u * probs.sum()).int().argmax())
+            naive = torch.cat([naive, torch.tensor([[token]])], dim=1)
+        assert naive[0, prompt.size(1) :].tolist() == together[row].tolist()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -336,6 +338,129 @@ def test_an_episode_whose_tool_returned_goes_on_while_a_slow_tool_runs(tmp_path)
     assert max(fast_calls) < min(slow_calls)  # the fast episodes' next turns, before the slow tools returned
 
 
+class OneAtATime:
+    """Tool calls that return one at a time, like real ones, but in an order a seeded generator decides: each call
+    draws a latency when it starts, and each time the runner waits for tools (`ToolCaller.wait_any`) the call with the
+    earliest start + latency on a virtual clock, and only it, returns. The first to return gives `first_reply`, the
+    others `reply`. `turn_read()` counts the calls asked for (the runner starts each as soon as its turn is read)."""
+
+    def __init__(self, caller, seed: int, first_reply: str, reply: str):
+        self.rng, self.first_reply, self.reply = random.Random(seed), first_reply, reply
+        self.condition = threading.Condition()
+        self.running: list[tuple[float, threading.Event, dict]] = []  # (return time, its event, its reply)
+        self.clock, self.asked, self.returned = 0.0, 0, 0
+        self.wait_any, caller.wait_any = caller.wait_any, self.return_one
+
+    def turn_read(self) -> None:
+        with self.condition:
+            self.asked += 1
+
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: What to look up.
+        """
+        event, box = threading.Event(), {}
+        with self.condition:
+            self.running.append((self.clock + self.rng.uniform(1.0, 10.0), event, box))
+            self.condition.notify_all()
+        event.wait(timeout=10)
+        return box.get("reply", "never returned")
+
+    def return_one(self, in_flight) -> None:
+        with self.condition:  # every call asked for has started its thread
+            assert self.condition.wait_for(lambda: len(self.running) + self.returned >= self.asked, timeout=10)
+            first = min(self.running, key=lambda call: call[0])
+            self.running.remove(first)
+            self.clock = first[0]
+            first[2]["reply"] = self.first_reply if self.returned == 0 else self.reply
+            self.returned += 1
+            first[1].set()
+        self.wait_any(in_flight)
+
+
+@pytest.mark.parametrize("engine", ["loop", "generate"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_rolled_back_reply_does_not_end_the_episodes_whose_tools_are_still_running(tmp_path, engine, seed):
+    """Four episodes call a tool whose calls return one at a time; the first to return gives a reply too long for the
+    budget, which is rolled back while the three other calls are still running. Those three still get their replies
+    and their next turns (with `loop`, decoding went on waiting for them)."""
+    tokenizer = tool_tokenizer()
+    config = args_for(tmp_path, rollout_engine=engine, max_completion_length=120, temperature=1.0)
+    shown = []
+
+    def record(completions, **_):
+        shown.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=record, args=config, tools=[add])
+    sampler = with_eos_tokens(trainer, [i for i in range(len(tokenizer)) if i % 2 == 1])
+    tools = OneAtATime(sampler.episodes.caller, seed, first_reply="x" * 400, reply="found")
+    sampler.tools = [tools.lookup]
+
+    def parse(tok, ids, context, row_tools):
+        if "<tool_response>" in tok.decode(context):
+            return {"role": "assistant", "content": "done"}
+        tools.turn_read()
+        return {"role": "assistant", "content": "", "tool_calls": [call_of("lookup", key="k")]}
+
+    sampler.episodes.parse = parse
+    torch.manual_seed(seed)
+    (batch,) = one_rollout(trainer)
+    roles = sorted([m["role"] for m in c] for c in shown)
+    assert roles == [["assistant"]] + [["assistant", "tool", "assistant"]] * 3
+    assert all(c[1]["content"] == "found" for c in shown if len(c) == 3)
+    assert trainer._metrics["train"]["completions/clipped_ratio"] == [0.0]
+    assert tools.returned == 4
+
+
+@pytest.mark.parametrize("engine", ["loop", "generate"])
+def test_the_episodes_of_a_seed_do_not_depend_on_how_long_the_tools_take(tmp_path, engine):
+    """Eight episodes of up to three turns call a tool that sleeps a random few milliseconds, the sleeps drawn from
+    a different seed in each of two rollouts: the tools return in a different order, so turns share engine calls
+    (`generate`) or join the decoding batch (`loop`) differently. With the same training seed, every episode is the
+    same token for token: each draws from its own stream."""
+    tokenizer = tool_tokenizer()
+
+    def rollout(latency_seed: int):
+        latency = random.Random(latency_seed)
+
+        def lookup(key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: What to look up.
+            """
+            time.sleep(latency.uniform(0.0, 0.02))
+            return f"value of {key}"
+
+        config = args_for(
+            tmp_path, rollout_engine=engine, per_device_train_batch_size=8, max_completion_length=120, temperature=1.0
+        )
+        trainer = trainer_for(
+            tmp_path, tokenizer, reward_funcs=zero, tools=[lookup], args=config, dataset=sums_dataset(4)
+        )
+        sampler = with_eos_tokens(trainer, [i for i in range(len(tokenizer)) if i % 3 == 0])
+
+        def parse(tok, ids, context, tools):
+            if tok.decode(context).count("<tool_response>") >= 2:
+                return {"role": "assistant", "content": "done"}
+            return {"role": "assistant", "content": "", "tool_calls": [call_of("lookup", key=str(len(ids)))]}
+
+        sampler.episodes.parse = parse
+        torch.manual_seed(0)
+        (batch,) = one_rollout(trainer)
+        return batch.completion_ids, batch.completion_mask, torch.rand(1)
+
+    ids, mask, after = rollout(latency_seed=1)
+    ids_again, mask_again, after_again = rollout(latency_seed=2)
+    assert ids.size(0) == 8 and int(mask.sum()) > 24  # eight episodes, their turns a few tokens each
+    torch.testing.assert_close(ids_again, ids, rtol=0, atol=0)
+    torch.testing.assert_close(mask_again, mask, rtol=0, atol=0)
+    assert after_again == after  # the global generator too: the rollout drew one seed from it, the rest was forked
+
+
 def test_a_tool_call_that_takes_too_long_becomes_an_error(tmp_path):
     tokenizer = tool_tokenizer()
     release = threading.Event()
@@ -375,15 +500,45 @@ def test_tool_caller_checks_its_timeout():
 
 
 # ---- bounds --------------------------------------------------------------------------------------------------------
-def test_a_reply_that_would_overflow_ends_the_episode_truncated(tmp_path):
+@pytest.mark.parametrize("engine", ["loop", "generate"])  # `run_joining` (turns join as they come) and `run`
+@pytest.mark.parametrize("room", [-1, 0])
+def test_a_reply_that_would_overflow_is_rolled_back_as_trl_does(tmp_path, engine, room):
+    """Every token ends a turn, so each first turn is one token, its EOS, and calls `add`; max_completion_length
+    leaves `room` tokens after it and the reply. -1: the reply would overflow and is rolled back, as TRL 1.16 does:
+    the episode ends on its turn's EOS, without the reply's ids or message, not truncated (so not masked), the call
+    counted. 0: the reply fills the budget exactly: kept, and the episode ends on it, truncated."""
     tokenizer = tool_tokenizer()
-    scripted(lambda context, row: call("add", a=1, b=2), tokenizer)  # calls forever
-    config = args_for(tmp_path, max_completion_length=100, mask_truncated_completions=True)
-    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add], args=config)
+    reply = tool_reply_ids(tokenizer, [{"role": "tool", "name": "add", "content": "3"}], {})
+    config = args_for(
+        tmp_path,
+        rollout_engine=engine,
+        max_completion_length=1 + len(reply) + room,
+        mask_truncated_completions=True,
+        temperature=1.0,
+    )
+    shown = []
+
+    def record(completions, **_):
+        shown.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=record, tools=[add], args=config)
+    sampler = with_eos_tokens(trainer, list(range(len(tokenizer))))
+    calling = {"role": "assistant", "content": "", "tool_calls": [call_of("add", a=1, b=2)]}
+    sampler.episodes.parse = lambda tok, ids, context, tools: calling
     (batch,) = one_rollout(trainer)
-    assert bool(batch.attention_mask.sum(dim=1).le(100).all())
-    assert batch.completion_mask.sum() == 0  # every episode truncated, so masked
-    assert trainer._metrics["train"]["completions/clipped_ratio"] == [1.0]
+    metrics = trainer._metrics["train"]
+    assert metrics["tools/call_frequency"] == [1.0]
+    if room < 0:
+        assert [[m["role"] for m in c] for c in shown] == [["assistant"]] * 4
+        assert batch.completion_mask.sum(dim=1).tolist() == [1] * 4  # the turn's EOS, in the loss
+        assert batch.context_mask.sum() == 0
+        assert metrics["completions/clipped_ratio"] == [0.0]
+    else:
+        assert [[m["role"] for m in c] for c in shown] == [["assistant", "tool"]] * 4
+        assert batch.context_mask.sum(dim=1).tolist() == [len(reply)] * 4
+        assert batch.completion_mask.sum() == 0  # truncated, so masked
+        assert metrics["completions/clipped_ratio"] == [1.0]
 
 
 def test_max_tool_calling_iterations_bounds_the_rounds(tmp_path):
@@ -426,14 +581,7 @@ def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, en
     config = args_for(tmp_path, rollout_engine=engine, max_completion_length=120, temperature=1.0)
     trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add], args=config)
     model = trainer.model
-    model.generation_config.eos_token_id = [i for i in range(len(tokenizer)) if i % 2 == 1]
-    trainer.eos_token_ids = model.generation_config.eos_token_id
-    sampler = trainer.experience.sampler
-    sampler.generation = type(sampler.generation)(
-        trainer.generation_config, trainer.eos_token_ids, sampler.generation.chat_template_kwargs, False
-    )
-    sampler.episodes.eos_token_ids = set(trainer.eos_token_ids)
-    trainer.generation_config.eos_token_id = trainer.eos_token_ids
+    sampler = with_eos_tokens(trainer, [i for i in range(len(tokenizer)) if i % 2 == 1])
     first_turn = {"role": "assistant", "content": "", "tool_calls": [call_of("add", a=1, b=2)]}
     sampler.episodes.parse = lambda tok, ids, context, tools: (
         {"role": "assistant", "content": "x"} if "<tool_response>" in tok.decode(context) else first_turn
@@ -463,6 +611,19 @@ def test_tool_output_gets_zero_gradient_and_every_sampled_token_one(tmp_path, en
     shared, _ = completion_logps(model, batch, share_prefix=True)
     attended = batch.attention_mask.bool()
     torch.testing.assert_close(shared[attended], logps.detach()[attended], rtol=1e-5, atol=1e-5)
+
+
+def with_eos_tokens(trainer, eos_token_ids: list[int]):
+    """Make `eos_token_ids` end every turn a real engine samples for `trainer` (a random tiny model then ends its
+    turns within a few tokens); returns the trainer's sampler."""
+    trainer.model.generation_config.eos_token_id = trainer.eos_token_ids = eos_token_ids
+    sampler = trainer.experience.sampler
+    sampler.generation = type(sampler.generation)(
+        trainer.generation_config, eos_token_ids, sampler.generation.chat_template_kwargs, False
+    )
+    sampler.episodes.eos_token_ids = set(eos_token_ids)
+    trainer.generation_config.eos_token_id = eos_token_ids
+    return sampler
 
 
 def record_turns(sampler) -> dict[tuple[int, ...], list[list[int]]]:
@@ -727,9 +888,10 @@ def test_rollout_func_token_ids_outside_the_vocabulary(tmp_path, bad, key):
 class _ScriptedSource:
     """Three episodes of three turns; a turn's `reply` ids come back `delay` polls after it ends (a tool's latency)."""
 
-    def __init__(self, prompts: list[list[int]], reply: list[int], delay: int = 1, turns: int = 3, budget: int = 10):
+    def __init__(self, prompts: list[list[int]], reply: list[int], delay: int = 1, turns: int = 3, budget=10):
         self.contexts, self.reply, self.delay = [list(p) for p in prompts], reply, delay
-        self.turns, self.budget, self.count = turns, budget, [0] * len(prompts)
+        self.budgets = budget if isinstance(budget, list) else [budget] * len(prompts)  # per episode
+        self.turns, self.count = turns, [0] * len(prompts)
         self.ready, self.waiting, self.done_turns = list(range(len(prompts))), [], []
         self.polls, self.joined_mid_decode = 0, False
 
@@ -741,7 +903,7 @@ class _ScriptedSource:
         ready, self.ready = self.ready, []
         if ready and not block:
             self.joined_mid_decode = True  # handed out while other turns were still being decoded
-        return [(k, list(self.contexts[k]), self.budget) for k in ready]
+        return [(k, list(self.contexts[k]), self.budgets[k]) for k in ready]
 
     def turn_done(self, k, turn, logps):
         self.done_turns.append((list(self.contexts[k]), list(turn), list(logps)))
@@ -768,10 +930,46 @@ def test_loop_turns_join_the_batch_and_keep_the_models_log_probs(tokenizer):
     torch.manual_seed(0)
     decode_turns(model, source, config, ends)
     assert len(source.done_turns) == 9 and source.joined_mid_decode
+    assert_log_probs_are_the_models(model, source.done_turns)
+    for _, turn, _ in source.done_turns:
+        assert turn[-1] % 5 == 0 or len(turn) == 10  # an EOS or the budget ends a turn
+
+
+def assert_log_probs_are_the_models(model, done_turns) -> None:
+    """Every turn's log-probs are those a plain forward over its context and itself gives."""
     with torch.no_grad():
-        for context, turn, logps in source.done_turns:
+        for context, turn, logps in done_turns:
             ids = torch.tensor([context + turn])
             expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
             expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
             torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
-            assert turn[-1] % 5 == 0 or len(turn) == 10  # an EOS or the budget ends a turn
+
+
+def test_loop_batch_keeps_only_the_columns_its_rows_attend_to(tokenizer):
+    """The longest episode's turns take one token each, and it leaves the batch while shorter ones go on decoding:
+    every decoding step's attention mask is as wide as its longest live row (no column is padding in every row), so
+    the cache never outgrows what the rows read, and every log-prob is still the plain forward's."""
+    from transformers import GenerationConfig
+
+    from grpo_hf.rollout.loop import decode_turns
+
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    texts = ("ab", "a much longer prompt than the others, by far", "xyz!")
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    reply = tokenizer(" <r> ", add_special_tokens=False)["input_ids"]
+    source = _ScriptedSource(prompts, reply=reply, delay=3, budget=[12, 1, 12])
+    config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+    widths = []
+
+    def record(module, args, kwargs):
+        if kwargs["input_ids"].size(1) == 1:  # a decoding step (a join's prefill pads to the batch's width)
+            mask = kwargs["attention_mask"]
+            widths.append((mask.size(1), int(mask.sum(dim=1).max())))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    torch.manual_seed(0)
+    decode_turns(model, source, config, [tokenizer.eos_token_id])  # turns end at their budget: 12, 1, 12 tokens
+    hook.remove()
+    assert len(source.done_turns) == 9 and len(widths) > 20
+    assert all(width == longest for width, longest in widths), widths
+    assert_log_probs_are_the_models(model, source.done_turns)

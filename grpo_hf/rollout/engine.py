@@ -45,6 +45,9 @@ class RolloutEngine:
 
     name = "base"
     takes_images = False  # `sample` takes `images`: each row's image inputs (`grpo_hf.vision`), for VLMs
+    # True: `sample` takes `draws` (`sampling.RowDraws`): it draws each row's tokens from the row's own random stream,
+    # not from the global generator (tool episodes: what a row samples does not depend on the rows beside it).
+    takes_draws = False
     # True: every call samples up to the configured max_new_tokens whatever `generate` is asked (`cuda_graph`: one
     # captured graph per length; a tool episode cuts each turn to its budget instead).
     fixed_length = False
@@ -80,10 +83,13 @@ class RolloutEngine:
         prompt_mask: torch.Tensor,
         max_new_tokens: int | None = None,
         images=None,
+        draws=None,
     ) -> Completions:
         """`max_new_tokens`: this call's bound (a tool episode's next turn: what is left of max_completion_length);
         None: the generation config's. `images`: each row's image inputs (`grpo_hf.vision.ImageRow`, None for a
-        text-only row), given only to engines that take them (`takes_images`)."""
+        text-only row), given only to engines that take them (`takes_images`). `draws`: each row's random stream
+        (`sampling.RowDraws`), for the engines that take them (`takes_draws`); the others draw from the global
+        generator."""
         was_training, config = model.training, self.generation_config
         if max_new_tokens is not None and max_new_tokens != config.max_new_tokens and not self.fixed_length:
             self.generation_config = copy.copy(config)
@@ -91,6 +97,8 @@ class RolloutEngine:
         model.eval()
         try:
             extra = {"images": images} if images is not None else {}
+            if draws is not None and self.takes_draws:
+                extra["draws"] = draws
             completion_ids = self.sample(model, prompt_ids, prompt_mask, **extra)  # [N, T]
         finally:
             model.train(was_training)

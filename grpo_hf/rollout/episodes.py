@@ -10,17 +10,31 @@ Masks (`Episodes`): `completion_mask` is 1 on the sampled tokens (each turn's cl
 never trained to end its turn never learns to stop), `context_mask` on the tool replies: attended to by the forward,
 out of the loss, its token counts, the sampler's importance ratio and the entropy statistics.
 
-Bounds: `max_completion_length` bounds the whole episode, turns and replies together. A reply that would fill it is
-dropped and the episode ends there, counted as truncated (`mask_truncated_completions` then masks it); a turn that
-reaches it without an EOS ends the episode, truncated. `max_tool_calling_iterations` (None: no limit) bounds the
-rounds of tool calls; a turn asking for more ends the episode as it is.
+Bounds: `max_completion_length` bounds the whole episode, turns and replies together. A reply that would overflow it
+is rolled back, as TRL 1.16 does: the episode ends on the calling turn's EOS, without the reply's ids or messages, and
+is not truncated (its calls still count in the tool metrics). A reply that fills it exactly is kept and the episode
+ends there, truncated (it ends on the reply, not on an EOS; TRL's row also does). A turn that reaches it without an
+EOS ends the episode, truncated (`mask_truncated_completions` masks truncated episodes). `max_tool_calling_iterations`
+(None: no limit) bounds the rounds of tool calls; a turn asking for more ends the episode as it is.
+
+Randomness: the episodes sampled for a seed do not depend on how long the tools take, in which order they return, or
+which rows share an engine call or a decoding step. Each episode draws from a random stream of its own
+(`sampling.RowDraws`): the uniform behind its k-th sampled token is a hash of (rollout seed, episode row, k) and of
+nothing else, and the rollout seed is one draw from torch's global generator, the only one a rollout takes from it
+(whatever the engine or the tools draw runs under a forked generator, so the global state after a rollout does not
+depend on them either). Given the same contexts, a row's draws are then the same whichever batch, step or thread
+samples it; what remains is floating-point rounding that can differ with the batch's shape. Engines that take the
+streams: `loop` (`decode_turns`) and `generate`/`generate_static` (a logits processor draws each row from its stream,
+`sampling.DrawFromStreams`); the others (`cuda_graph`, vLLM) still draw from their own generators. Rows of different
+processes have different streams.
 
 Scheduling: tools of different episodes run at the same time, and no episode waits for the slowest. With an engine
 that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as soon as it ends and the
-episode's next turn joins the decoding batch at the next token step once they have returned. With the other engines
-(`run`), the turns of every episode ready to sample are sampled in one engine call; the runner then waits only until
-*some* tool calls have returned and samples those episodes' next turns, so a slow tool holds back its own episode and
-not the batch. Finished episodes leave the batch.
+episode's next turn joins the decoding batch at the next token step once they have returned; decoding ends only when
+no tool call is in flight and no episode is ready (an episode whose reply is rolled back does not end the others).
+With the other engines (`run`), the turns of every episode ready to sample are sampled in one engine call; the runner
+then waits only until *some* tool calls have returned and samples those episodes' next turns, so a slow tool holds
+back its own episode and not the batch. Finished episodes leave the batch.
 
 Images (a VLM, `processor` given): a tool may answer with content parts holding images (`{"type": "image", "image":
 PIL image}`, as in TRL). The processor renders such a reply (`rollout.vision.tool_reply_inputs`): its image tokens
@@ -40,15 +54,20 @@ from typing import Any
 import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
+from grpo_hf.rollout.sampling import RowDraws, draw_seed
 from grpo_hf.rollout.tools import ToolCaller, ToolCalls, parse_turn, tool_reply_ids
 from grpo_hf.rollout.vision import tool_reply_inputs
 from grpo_hf.vision import ImageRow, has_images, merge_rows
 
-# generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens, images: [n] `ImageRow` or None, or None) ->
-# (completion_ids [n, T], completion_mask [n, T], sampler log-probs [n, T] or None): one engine call.
+# generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens, images: [n] `ImageRow` or None, or None, draws) ->
+# (completion_ids [n, T], completion_mask [n, T], sampler log-probs [n, T] or None): one engine call; `draws`
+# (RowDraws) are the rows' random streams, for an engine that takes them (`RolloutEngine.generate(draws=...)`).
 Generate = Callable[
-    [torch.Tensor, torch.Tensor, int, list | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    [torch.Tensor, torch.Tensor, int, list | None, RowDraws],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
 ]
+# A row's stream is its index plus this times the process's index: rows of different processes draw differently.
+_STREAMS_PER_PROCESS = 2**32
 
 
 @dataclass
@@ -72,6 +91,7 @@ class _Episode:
 
     prompt: list[int]  # the prompt's ids (no padding)
     tools: dict[str, Callable]  # name -> function, this episode's
+    stream: int  # its random stream (`RowDraws`)
     ids: list[int] = field(default_factory=list)  # completion ids so far
     sampled: list[int] = field(default_factory=list)  # per completion id: 1 sampled, 0 tool reply
     logps: list[float] = field(default_factory=list)  # per completion id: the sampler's log-prob (0 on replies)
@@ -85,6 +105,11 @@ class _Episode:
     @property
     def context(self) -> list[int]:
         return self.prompt + self.ids
+
+    @property
+    def drawn(self) -> int:
+        """Tokens sampled so far: the next token's draw in its stream."""
+        return sum(self.sampled)
 
 
 class EpisodeRunner:
@@ -100,9 +125,12 @@ class EpisodeRunner:
         tool_timeout: float | None = None,
         template_kwargs: dict[str, Any] | None = None,
         processor=None,
+        process_index: int = 0,
     ):
-        """`processor`: a VLM's, which renders tool replies holding images (None: a tokenizer renders every reply)."""
+        """`processor`: a VLM's, which renders tool replies holding images (None: a tokenizer renders every reply).
+        `process_index`: this process's, so that its rows' random streams differ from other processes'."""
         self.tokenizer, self.max_completion_length, self.processor = tokenizer, max_completion_length, processor
+        self.process_index = process_index
         self.eos_token_ids = set(eos_token_ids)
         self.max_rounds = max_tool_calling_iterations
         self.template_kwargs = template_kwargs or {}
@@ -115,17 +143,17 @@ class EpisodeRunner:
         self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
     ) -> Episodes:
         """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row)."""
-        episodes = self._start(prompt_ids, prompt_mask, tools)
-        counts = [0, 0]
-        self._rounds(generate, list(episodes), counts)
+        episodes, counts = self._start(prompt_ids, prompt_mask, tools), [0, 0]
+        with _forked_rng(prompt_ids.device):
+            self._rounds(generate, list(episodes), counts, draw_seed())
         return self._as_rows(episodes, prompt_ids.device, *counts)
 
-    def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int]) -> None:
+    def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int], seed: int) -> None:
         """Sample the turns of the `ready` episodes, one engine call per round of ready turns, until all are done."""
         in_flight = []
         while ready or in_flight:
             if ready:
-                in_flight += self._sample_turns(generate, ready)
+                in_flight += self._sample_turns(generate, ready, seed)
                 ready = []
             if in_flight:
                 self.caller.wait_any([e.calls for e in in_flight])
@@ -144,37 +172,53 @@ class EpisodeRunner:
         turn's tools start as soon as it ends. Episodes whose tool replies brought images go on afterwards by
         `generate` (as in `run`): the joining decoder prefills text only."""
         episodes = self._start(prompt_ids, prompt_mask, tools)
-        source = _Turns(self, episodes)
-        decode(source)
-        if source.held:
-            if generate is None:
-                raise ValueError(
-                    "A tool replied with images, which the joining decoder (the `loop` engine's decode_turns) does "
-                    "not take, and run_joining was given no `generate` to sample the episode's next turns with them."
+        source = _Turns(self, episodes, draw_seed())
+        with _forked_rng(prompt_ids.device):
+            decode(source)
+            if source.ready or source.in_flight:
+                raise RuntimeError(
+                    f"The engine stopped decoding with {len(source.ready)} episodes ready for a turn and "
+                    f"{len(source.in_flight)} waiting for tools: `decode(source)` must poll until `poll(block=True)` "
+                    "returns []."
                 )
-            self._rounds(generate, [episodes[k] for k in source.held], source.counts)
+            if source.held:
+                if generate is None:
+                    raise ValueError(
+                        "A tool replied with images, which the joining decoder (the `loop` engine's decode_turns) "
+                        "does not take, and run_joining was given no `generate` to sample the episode's next turns "
+                        "with them."
+                    )
+                self._rounds(generate, [episodes[k] for k in source.held], source.counts, source.seed)
         self._has_logps = False  # the engine's own draw: the policy's log-probs, nothing to correct
         return self._as_rows(episodes, prompt_ids.device, *source.counts)
 
     def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
         self.device = prompt_ids.device
+        first = self.process_index * _STREAMS_PER_PROCESS
         return [
-            _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools})
-            for ids, mask, row_tools in zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True)
+            _Episode(ids[mask.bool()].tolist(), {fn.__name__: fn for fn in row_tools}, first + row)
+            for row, (ids, mask, row_tools) in enumerate(zip(prompt_ids.cpu(), prompt_mask.cpu(), tools, strict=True))
         ]
+
+    @staticmethod
+    def draws(seed: int, episodes: Sequence[_Episode]) -> RowDraws:
+        """The random streams of `episodes`' next turns, each at its episode's next draw."""
+        streams = torch.tensor([e.stream for e in episodes], dtype=torch.long)
+        return RowDraws(seed, streams, torch.tensor([e.drawn for e in episodes], dtype=torch.long))
 
     def budget(self, episode: _Episode) -> int:
         """The most tokens the episode's next turn may take."""
         return self.max_completion_length - len(episode.ids)
 
-    def _sample_turns(self, generate: Generate, ready: list[_Episode]) -> list[_Episode]:
-        """Sample the next turn of each episode of `ready` in one engine call; start the tools of the turns that
-        ask for them and return those episodes."""
+    def _sample_turns(self, generate: Generate, ready: list[_Episode], seed: int) -> list[_Episode]:
+        """Sample the next turn of each episode of `ready` in one engine call, each from its own random stream; start
+        the tools of the turns that ask for them and return those episodes."""
         budgets = [self.budget(e) for e in ready]
         ids, mask = pad_token_lists([e.context for e in ready], self.tokenizer.pad_token_id, left=True)
         images = [e.image_row for e in ready]  # [n] the images of each episode's tool replies
+        draws = self.draws(seed, ready)
         completion_ids, completion_mask, logps = generate(
-            ids, mask, max(budgets), images if has_images(images) else None
+            ids, mask, max(budgets), images if has_images(images) else None, draws
         )  # [n, T] each
         self._has_logps = logps is not None
         completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
@@ -214,8 +258,8 @@ class EpisodeRunner:
             counts[1] += failures
             episode.calls, episode.rounds = None, episode.rounds + 1
             reply_ids, images = self._reply_inputs(replies)
-            if len(episode.ids) + len(reply_ids) >= self.max_completion_length:  # no room left to answer: drop it
-                episode.truncated = True
+            length = len(episode.ids) + len(reply_ids)
+            if length > self.max_completion_length:  # rolled back (TRL): the episode ends on its calling turn's EOS
                 continue
             if images is not None:
                 episode.images.append({k: v.to(self.device) for k, v in images.items()})
@@ -224,6 +268,9 @@ class EpisodeRunner:
             episode.sampled += [0] * len(reply_ids)
             episode.logps += [0.0] * len(reply_ids)
             episode.messages += replies
+            if length == self.max_completion_length:  # no room left to answer: it ends on the reply, truncated
+                episode.truncated = True
+                continue
             ready.append(episode)
         return ready, waiting
 
@@ -257,23 +304,29 @@ class EpisodeRunner:
 
 class _Turns:
     """The turns of a run's episodes as an engine that decodes them as they come takes them (`loop.decode_turns`):
-    `poll` hands out the episodes ready for a turn, `turn_done` takes each turn back when it ends."""
+    `poll` hands out the episodes ready for a turn, `draws` their random streams, `turn_done` takes each turn back
+    when it ends."""
 
-    def __init__(self, runner: EpisodeRunner, episodes: list[_Episode]):
-        self.runner, self.episodes = runner, episodes
+    def __init__(self, runner: EpisodeRunner, episodes: list[_Episode], seed: int):
+        self.runner, self.episodes, self.seed = runner, episodes, seed
         self.ready, self.in_flight, self.counts = list(range(len(episodes))), [], [0, 0]
         self.held: list[int] = []  # episodes whose tool replies brought images: for `run_joining` to go on with
 
     def poll(self, block: bool) -> list[tuple[int, list[int], int]]:
-        """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait for
-        tool calls in flight until some are; [] then means every episode is done."""
+        """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait while
+        tool calls are in flight until some episode is ready (a call whose reply is rolled back readies none); []
+        then means every episode is done."""
         if self.in_flight:
             self._collect()
-        if block and not self.ready and self.in_flight:
+        while block and not self.ready and self.in_flight:
             self.runner.caller.wait_any([self.episodes[k].calls for k in self.in_flight])
             self._collect()
         ready, self.ready = self.ready, []
         return [(k, self.episodes[k].context, self.runner.budget(self.episodes[k])) for k in ready]
+
+    def draws(self, keys: Sequence[int]) -> RowDraws:
+        """The random streams of the episodes `keys` (as `poll` gave them), each at its episode's next draw."""
+        return self.runner.draws(self.seed, [self.episodes[k] for k in keys])
 
     def turn_done(self, k: int, turn: list[int], logps: list[float]) -> None:
         if self.runner.end_turn(self.episodes[k], turn, logps):
@@ -286,3 +339,12 @@ class _Turns:
         self.held += [index[id(e)] for e in ready if e.image_row is not None]
         self.ready += [index[id(e)] for e in ready if e.image_row is None]
         self.in_flight = [index[id(e)] for e in waiting]
+
+
+def _forked_rng(device: torch.device):
+    """A context in which torch's global generators (the CPU's, and `device`'s if it is a CUDA device) may be drawn
+    from without changing what they draw after it."""
+    if device.type != "cuda":
+        return torch.random.fork_rng(devices=[])
+    devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.random.fork_rng(devices=devices)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import StaticCache
+from transformers import LogitsProcessorList, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.rollout.sampling import DrawFromStreams, resolve_sampling_settings, streams_unsupported_reason
 from grpo_hf.vision import forward_kwargs
 
 
@@ -49,12 +50,20 @@ class GenerateEngine(RolloutEngine):
 
     name = "generate"
     takes_images = True
+    takes_draws = True
     cache_implementation: str | None = None  # None: the generation config's own
     cache_bucket = 64  # a static cache's length is rounded up to a multiple of this
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
+    def sample(
+        self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None, draws=None
+    ) -> torch.Tensor:
+        """`draws` (`sampling.RowDraws`): each row draws from its own stream (`DrawFromStreams`), where the settings
+        allow (`streams_unsupported_reason`; otherwise, and without `draws`, from the global generator)."""
         config = self.generation_config
         kwargs = forward_kwargs(model, prompt_ids, images)  # a VLM's image inputs, row by row
+        if draws is not None and streams_unsupported_reason(model, config) is None:
+            draw = DrawFromStreams(resolve_sampling_settings(model, config), draws.to(prompt_ids.device))
+            kwargs["logits_processor"] = LogitsProcessorList([draw])
         if self.blocked_token_ids:
             config = copy.copy(config)
             config.suppress_tokens = [*(config.suppress_tokens or []), *self.blocked_token_ids]

@@ -239,24 +239,38 @@ def decode_turns(
     `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
     the log-probs of its tokens under the sampling distribution; the row leaves the batch. The draw at each step is
     the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once;
-    `blocked_token_ids` (a VLM's image tokens) are never drawn. Call it in eval mode.
+    `blocked_token_ids` (a VLM's image tokens) are never drawn. A source with a `draws(keys)` method gives the joining
+    rows' random streams (`sampling.RowDraws`), and each row draws its uniforms from its own stream, so its tokens do
+    not depend on which rows share the batch or when it joined; without one, each step draws from the global
+    generator. The batch keeps only the columns its rows attend to: when rows leave, the leading columns that are
+    padding in every remaining row are dropped, from the cache too, so its width stays the longest live context. Call
+    it in eval mode.
     """
     config = resolve_sampling_settings(model, generation_config)
     device = next(model.parameters()).device
     eos = torch.tensor(list(eos_token_ids), device=device)
     keyword, cache, rows = cache_keyword(model), None, None
+    streams_of = getattr(source, "draws", None)  # keys -> the rows' own random streams (RowDraws); None: global
+    draws = None  # RowDraws of the batch's rows, in order
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     while True:
         ready = source.poll(block=rows is None)
         if ready:
             cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
+            if streams_of is not None:
+                joined = streams_of([turn[0] for turn in ready]).to(device)
+                draws = joined if draws is None else draws.cat(joined)
         if rows is None:
             return
         logits = rows.logits.index_fill(1, blocked, float("-inf")) if blocked.numel() else rows.logits  # [A, V]
         scores = logits_processors(config, rows.mask)(rows.tokens, logits)  # [A, V]
         probs = torch.softmax(scores, dim=-1)
-        tokens = sample_categorical(probs, torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device))  # [A]
+        if draws is not None:
+            uniform = draws.uniform(uniform_dtype)  # [A, 1]
+        else:
+            uniform = torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device)  # [A, 1]
+        tokens = sample_categorical(probs, uniform)  # [A]
         token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]
         positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
         rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
@@ -273,13 +287,15 @@ def decode_turns(
             if is_done:
                 source.turn_done(key, turn, logps)
         if all(done):
-            cache, rows = None, None
+            cache, rows, draws = None, None, None
             continue
         if any(done):
             keep = torch.nonzero(~finished).flatten()  # [A']
             rows, tokens, positions = _take(rows, keep), tokens[keep], positions[keep]
+            draws = draws.take(keep) if draws is not None else None
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            _drop_padding_columns(rows, cache)
         rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
 
 
@@ -336,6 +352,18 @@ def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, d
         logits=torch.cat([rows.logits, new.logits]),
     )
     return cache, merged
+
+
+def _drop_padding_columns(rows: _Decoding, cache) -> None:
+    """Drop the batch's leading columns that are padding in every row, from its tokens, mask and cache, in place:
+    rows are right-aligned, so what is left is as wide as the longest row's context, and no row's attention changes
+    (the dropped columns were masked for all). The cache holds every column but the last (the next input token)."""
+    first = int(rows.mask.any(dim=0).int().argmax())  # the first column some row attends to
+    if first == 0:
+        return
+    rows.tokens, rows.mask = rows.tokens[:, first:], rows.mask[:, first:]
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
 
 
 def _take(rows: _Decoding, keep: torch.Tensor) -> _Decoding:

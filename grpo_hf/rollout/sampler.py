@@ -133,6 +133,7 @@ class Sampler:
                 tool_timeout=args.tool_timeout,
                 template_kwargs=self.template_kwargs,
                 processor=self.processor,  # a VLM's: renders tool replies with images
+                process_index=accelerator.process_index,  # its rows' random streams differ from other processes'
             )
 
     def sample(self, prompts: list, columns: dict[str, list]) -> Sampled:
@@ -200,11 +201,11 @@ class Sampler:
         prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts, schema_tools)
         with self.decoding() as (model, engine):
 
-            def generate(ids, mask, max_new_tokens, images):  # images: each row's tool-reply images, or None
+            def generate(ids, mask, max_new_tokens, images, draws):  # images: each row's tool-reply images, or None
                 ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
                 extra = {"images": images} if images is not None else {}
                 completion_ids, completion_mask, _ = engine.generate(
-                    model, ids, mask, max_new_tokens=max_new_tokens, **extra
+                    model, ids, mask, max_new_tokens=max_new_tokens, draws=draws, **extra
                 )
                 return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
 

@@ -1,15 +1,19 @@
 """Sampling settings shared by the decoding engines: the logits processors `model.generate` applies, in
-its order, the settings an engine must resolve as `generate` does, and an exact categorical draw.
+its order, the settings an engine must resolve as `generate` does, an exact categorical draw, and per-row random
+streams (`RowDraws`): counter-based uniforms, so that what a row samples does not depend on which batch, step or
+thread draws it.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import (
     DynamicCache,
+    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -109,6 +113,14 @@ def logits_processors(generation_config, prompt_mask: torch.Tensor) -> LogitsPro
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, padding_lengths))
+    processors.extend(sampling_warpers(config))
+    return processors
+
+
+def sampling_warpers(generation_config) -> LogitsProcessorList:
+    """The processors `model.generate` applies only when sampling, in its order: temperature, top-k, top-p, min-p."""
+    processors = LogitsProcessorList()
+    config = generation_config
     if config.temperature is not None and config.temperature != 1.0:
         processors.append(TemperatureLogitsWarper(config.temperature))
     if config.top_k is not None and config.top_k != 0:
@@ -206,3 +218,104 @@ def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch
         **{cache_keyword(model): cache},
     ).logits[:, -1]  # [U, V]
     return logits, rows
+
+
+# ---- per-row random streams -----------------------------------------------------------------------------------------
+_GAMMA = -7046029254386353131  # 0x9e3779b97f4a7c15 (splitmix64's increment) as a signed 64-bit integer
+_MIX1 = -4658895280553007687  # 0xbf58476d1ce4e5b9
+_MIX2 = -7723592293110705685  # 0x94d049bb133111eb
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """`z >> bits` on the 64 bits of an int64 tensor read as unsigned (torch's `>>` copies the sign bit)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (their multiplication and addition wrap modulo 2**64)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def counter_uniform(seed: int, streams: torch.Tensor, counters: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """The uniform in [0, 1) [A, 1] of each stream `streams` [A] at its draw `counters` [A] (int64): a hash of
+    (seed, stream, counter), nothing else, so a row draws the same numbers in any batch, at any step, on any thread.
+
+    splitmix64's finaliser applied twice, `mix(mix(seed + stream * gamma) + counter * gamma)` in wrapping 64-bit
+    arithmetic; its top 53 bits (24 for float32, where the device has no float64) make the uniform."""
+    key = _mix64(_mix64(streams * _GAMMA + seed) + counters * _GAMMA)  # [A]
+    bits = 53 if dtype == torch.float64 else 24
+    return (_shift_right(key, 64 - bits).to(dtype) * 2.0**-bits)[:, None]
+
+
+def draw_seed() -> int:
+    """A stream seed: one draw from torch's global (CPU) generator, so `torch.manual_seed` fixes it."""
+    return int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.long))
+
+
+@dataclass
+class RowDraws:
+    """Each row's random stream, counter-based: a row's k-th draw is `counter_uniform(seed, stream, k)`.
+
+    A row that samples a turn of an episode holds its episode's stream and the number of tokens the episode has
+    sampled so far, so the uniform behind every sampled token depends on (seed, episode, its index) alone: not on
+    which other rows share the batch, at which step the turn started, or how long the tools took."""
+
+    seed: int
+    streams: torch.Tensor  # [A] long: each row's stream
+    counters: torch.Tensor  # [A] long: each row's next draw
+
+    def uniform(self, dtype=torch.float64) -> torch.Tensor:
+        """Each row's next uniform [A, 1]; the counters move on by one."""
+        uniform = counter_uniform(self.seed, self.streams, self.counters, dtype)
+        self.counters = self.counters + 1
+        return uniform
+
+    def to(self, device) -> RowDraws:
+        return RowDraws(self.seed, self.streams.to(device), self.counters.to(device))
+
+    def take(self, index: torch.Tensor) -> RowDraws:
+        """Rows `index` [A']."""
+        return RowDraws(self.seed, self.streams[index], self.counters[index])
+
+    def cat(self, other: RowDraws) -> RowDraws:
+        """These rows, then `other`'s (the same seed)."""
+        streams, counters = torch.cat([self.streams, other.streams]), torch.cat([self.counters, other.counters])
+        return RowDraws(self.seed, streams, counters)
+
+
+# `model.generate` warpers that `DrawFromStreams` does not implement (with one set it cannot draw in their place).
+_OTHER_WARPERS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+
+def streams_unsupported_reason(model, generation_config) -> str | None:
+    """Why `DrawFromStreams` cannot draw what `model.generate` would for `model` with these settings, or None."""
+    if not generation_config.do_sample:
+        return "do_sample=False (greedy decoding draws nothing)"
+    for settings in (generation_config, getattr(model, "generation_config", None)):
+        for name, neutral in _OTHER_WARPERS.items():
+            value = getattr(settings, name, None)
+            if value is not None and value != neutral:
+                return f"{name}={value} is set, which only model.generate's own draw implements"
+    return None
+
+
+class DrawFromStreams(LogitsProcessor):
+    """Makes `model.generate` draw each row's token from the row's own stream (`RowDraws`).
+
+    `generate` runs a caller's processors after its own and before its sampling warpers, then draws with
+    `torch.multinomial` from the global generator. This processor applies those warpers itself (`sampling_warpers`
+    of the settings `resolve_sampling_settings` gives), draws each row's token by inverse transform with the row's
+    next uniform, and returns scores that are 0 on that token and -inf elsewhere: `generate`'s warpers keep such a
+    row as it is, and `multinomial` can only pick the token. The distribution drawn from is `generate`'s; the
+    randomness is the rows' streams."""
+
+    def __init__(self, generation_config, draws: RowDraws):
+        self.warpers, self.draws = sampling_warpers(generation_config), draws
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)  # [A, V]
+        dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+        tokens = sample_categorical(probs, self.draws.uniform(dtype))  # [A]
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)

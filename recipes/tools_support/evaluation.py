@@ -49,7 +49,7 @@ def evaluate(
         template_kwargs=template_kwargs,
     )
 
-    def generate(ids, mask, max_new_tokens):  # the runner pads each turn's contexts on the CPU
+    def generate(ids, mask, max_new_tokens, images, draws):  # contexts padded on the CPU; text only; greedy: no draws
         completion = engine.generate(model, ids.to(model.device), mask.to(model.device), max_new_tokens=max_new_tokens)
         return completion.completion_ids, completion.completion_mask, None
 
