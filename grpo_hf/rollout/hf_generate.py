@@ -8,6 +8,9 @@ the values in the keys' dtype, which fails under autocast with fp32 weights, whe
 leave the keys fp32 and the values bf16. Its length is rounded up to `cache_bucket` positions, so that
 batches whose prompts differ a little in length reuse one compiled decode step (every new length would
 compile again, and past Dynamo's recompile limit generate's step runs uncompiled).
+
+Given `draws` (tool episodes, `episodes.EpisodeRunner`), each row draws its tokens from its own random stream instead
+of the global generator (`sampling.DrawFromStreams`, a logits processor that draws and leaves `generate` one token).
 """
 
 from __future__ import annotations
