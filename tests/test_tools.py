@@ -886,7 +886,11 @@ def test_rollout_func_token_ids_outside_the_vocabulary(tmp_path, bad, key):
 
 # ---- the loop engine: turns join the decoding batch at the next token step ------------------------------------------
 class _ScriptedSource:
-    """Three episodes of three turns; a turn's `reply` ids come back `delay` polls after it ends (a tool's latency)."""
+    """Three episodes of three turns; a turn's `reply` ids come back `delay` polls after it ends (a tool's latency).
+
+    As real tools do, replies come back one at a time: a poll hands back those whose time has come, and a blocking
+    poll (the engine has nothing left to decode) only the one that was due first, never every waiting episode at
+    once."""
 
     def __init__(self, prompts: list[list[int]], reply: list[int], delay: int = 1, turns: int = 3, budget=10):
         self.contexts, self.reply, self.delay = [list(p) for p in prompts], reply, delay
@@ -897,7 +901,9 @@ class _ScriptedSource:
 
     def poll(self, block):
         self.polls += 1
-        back = [k for k, at in self.waiting if at <= self.polls or block]
+        back = [k for k, at in self.waiting if at <= self.polls]
+        if block and not back and self.waiting:
+            back = [min(self.waiting, key=lambda waiting: waiting[1])[0]]  # the first due: the engine waits for it
         self.waiting = [(k, at) for k, at in self.waiting if k not in back]
         self.ready += back
         ready, self.ready = self.ready, []
