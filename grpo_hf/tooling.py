@@ -1,5 +1,7 @@
 """The train dataset of a run with `environment_factory` (TRL 1.16's argument): rows routed to known environments,
-rows without a prompt given an empty one, environment-owned data without any dataset (docs/tools.md)."""
+environment-owned data without any dataset (docs/tools.md). A dataset without a `prompt` column is kept as it is (as
+TRL): each rollout starts such a row from an empty user message that its environment's `reset` writes, and `reset`
+gets the row as the dataset has it, without a `prompt`."""
 
 from __future__ import annotations
 
@@ -15,21 +17,21 @@ __all__ = ["train_rows"]
 
 
 def train_rows(train_dataset, environment_factory, args):
-    """The train dataset: as given; with environments, rows without a prompt get an empty one (the environment's
-    `reset` writes it); without one, environment-owned data: a placeholder of empty prompts, cycled for `max_steps`."""
+    """The train dataset: as given; with environments and no dataset, environment-owned data: a placeholder of empty
+    prompts (which `reset` gets as TRL's placeholder gives them), cycled for `max_steps`."""
     if environment_factory is None:
         if train_dataset is None:
-            raise ValueError(
-                "`train_dataset` is required unless an `environment_factory` is given (an environment that owns its "
-                "data and writes each prompt in reset()): pass a datasets.Dataset with a 'prompt' column."
+            raise ValueError(  # TRL's words first
+                "`train_dataset` is required unless an `environment_factory` is provided (an environment that owns "
+                "its data and writes each prompt in reset()): pass a datasets.Dataset with a 'prompt' column."
             )
         return train_dataset
     routed = isinstance(environment_factory, Mapping)
     if train_dataset is None:
         if routed:
-            raise ValueError(
-                "environment_factory is a dict of several environments, which needs a train_dataset whose "
-                "`environment` column routes each row to one of them. Pass such a dataset, or a single factory."
+            raise ValueError(  # TRL's words
+                "environment_factory is a dict of several environments, which requires a `train_dataset` with an "
+                "`environment` column routing each row to one of them. Pass such a dataset, or a single factory."
             )
         if args.max_steps <= 0:
             raise ValueError(
@@ -41,9 +43,6 @@ def train_rows(train_dataset, environment_factory, args):
         )
     if routed and not streams.is_stream(train_dataset):
         _check_routes(train_dataset, environment_factory)
-    columns = getattr(train_dataset, "column_names", None) or []
-    if "prompt" not in columns and isinstance(train_dataset, datasets.Dataset):
-        train_dataset = train_dataset.add_column("prompt", [EMPTY_PROMPT] * len(train_dataset))
     return train_dataset
 
 
@@ -57,7 +56,7 @@ def _check_routes(dataset, factories: Mapping[str, Any]) -> None:
         )
     unknown = sorted({name for name in dataset["environment"] if name not in factories})
     if unknown:
-        raise ValueError(
-            f"train_dataset names environments {unknown} in its `environment` column that environment_factory does "
-            f"not have; it has {sorted(factories)}."
+        raise ValueError(  # TRL's words
+            f"train_dataset names environments {unknown} in its `environment` column, which are not among the "
+            f"environments passed to `environment_factory`: it has {sorted(factories)}."
         )

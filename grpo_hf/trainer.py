@@ -106,6 +106,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             quantization_config=quantization_config,  # QLoRA: loaded quantized, adapters bf16 (TRL)
         )
         self.agentic = ToolSetup.build(tools, environment_factory, processing_class)  # None: no tools, no environments
+        self.tools = [] if self.agentic is None else self.agentic.all_tools()  # TRL's: every tool, environments' too
         train_dataset = train_rows(train_dataset, environment_factory, args)
         envs = self.agentic is not None and self.agentic.environments is not None  # their reset() writes prompts
         columns = validation.check_inputs(
@@ -287,6 +288,12 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     def rollout(self) -> RolloutEngine | None:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout."""
         return self.experience.engine
+
+    @property
+    def environments(self) -> list | None:
+        """TRL's attribute: the environment instances of the last rollout, one per row (None before the first, or
+        without `environment_factory`)."""
+        return self.experience.sampler.environments_in_use
 
     @property
     def num_generate_calls(self) -> int:

@@ -213,7 +213,7 @@ def _check_rows(
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
     columns = _columns(dataset, name)
-    if "prompt" not in columns:
+    if "prompt" not in columns and not empty_ok:
         raise ValueError(
             f"{name} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
             "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
@@ -239,6 +239,8 @@ def _check_rows(
             "processing_class is a tokenizer, not a processor: pass the vision-language model's processor "
             "(AutoProcessor.from_pretrained(...)), or None to load the model's own (docs/vision.md)."
         )
+    if "prompt" not in columns:  # environments: each row's episode starts from the prompt its `reset` writes
+        return reward_columns
     indices, prompts = _scan_prompts(dataset, name, seed=args.seed, empty_ok=empty_ok)
     if is_conversational(prompts[0]) and not getattr(tokenizer, "chat_template", None):
         raise ValueError(

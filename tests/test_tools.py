@@ -793,10 +793,10 @@ def test_environment_owned_data_and_reward_alone(tmp_path):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("unknown environment", r"names environments \['nowhere'\] in its `environment` column"),
-        ("no dataset, no environment", "`train_dataset` is required unless an `environment_factory` is given"),
+        ("unknown environment", r"names environments \['nowhere'\] in its `environment` column, which are not among"),
+        ("no dataset, no environment", "`train_dataset` is required unless an `environment_factory` is provided"),
         ("environment-owned data, no max_steps", "set max_steps > 0"),
-        ("several environments, no dataset", "needs a train_dataset whose `environment` column routes"),
+        ("several environments, no dataset", "requires a `train_dataset` with an `environment` column"),
         ("environment without reset", "has no `reset` method"),
     ],
 )
@@ -827,6 +827,148 @@ def test_construction_errors(tmp_path, case, message):
             tools=tools,
             environment_factory=factory,
         )
+
+
+# ---- TRL's semantics: what reset() gets, rollout_func with environments and tools, the public attributes ------------
+class Recorder:
+    """Records each reset's keyword arguments (class-wide)."""
+
+    resets: list[dict] = []
+
+    def reset(self, **row):
+        Recorder.resets.append(dict(row))
+        return f" Reach {row['target']}."
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        return step
+
+
+@pytest.mark.parametrize("routed", [False, True])
+@pytest.mark.parametrize("with_prompt", [False, True])
+def test_reset_gets_the_row_as_trl_passes_it(tmp_path, routed, with_prompt):
+    tokenizer = tool_tokenizer()
+    scripted(environment_script, tokenizer)
+    columns = {"target": ["4", "5"], "environment": ["counter", "counter"]}
+    if with_prompt:
+        columns["prompt"] = [[{"role": "user", "content": "Count."}]] * 2
+    factory = {"counter": Recorder} if routed else Recorder
+    Recorder.resets = []
+    trainer = trainer_for(
+        tmp_path, tokenizer, reward_funcs=zero, dataset=Dataset.from_dict(columns), environment_factory=factory
+    )
+    one_rollout(trainer)
+    expected = {"target": "4"}
+    if with_prompt:
+        expected["prompt"] = [{"role": "user", "content": "Count."}]
+    if not routed:  # the routing column is the trainer's only with several environments
+        expected["environment"] = "counter"
+    assert Recorder.resets[0] == expected
+    assert ScriptedEngine.calls[0][0].count("Reach 4.") == 1  # the observation, on an empty prompt where none
+
+
+def test_rollout_func_with_environments_and_tools_runs_the_tool_loop_on_its_output(tmp_path):
+    """As TRL: environments are reset before rollout_func (which sees their observations), rewards get them, and a
+    rollout_func completion that calls a tool is the first turn of an episode that goes on on the engine."""
+    tokenizer = tool_tokenizer()
+    scripted(environment_script, tokenizer)  # the engine's turns: "done" after a tool reply
+    seen = {}
+    first = tokenizer(call("increment", step=4), add_special_tokens=False)["input_ids"]
+    plain = tokenizer("no tools<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    def rollout_func(prompts, trainer):
+        seen["prompts"] = prompts
+        texts = [
+            tokenizer.apply_chat_template(p, tools=trainer.tools, add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        completions = [first if k % 2 == 0 else plain for k in range(len(prompts))]
+        return {
+            "prompt_ids": [list(x) for x in ids],
+            "completion_ids": completions,
+            "logprobs": [[-0.5] * len(c) for c in completions],
+            "env_mask": [[0] + [1] * (len(c) - 1) for c in completions],  # its first token: the environment's
+        }
+
+    def reward(completions, environments, **_):
+        seen["environments"], seen["completions"] = environments, completions
+        return [0.0] * len(completions)
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Count."}]] * 2, "target": ["4", "4"]})
+    trainer = trainer_for(
+        tmp_path, tokenizer, reward_funcs=reward, dataset=dataset, environment_factory=Counter,
+        rollout_func=rollout_func,
+    )  # fmt: skip
+    (batch,) = one_rollout(trainer)
+    assert [p[-1]["content"] for p in seen["prompts"]] == ["Count. Reach 4."] * 4  # reset before rollout_func
+    assert [type(e) for e in seen["environments"]] == [Counter] * 4 and seen["environments"] == trainer.environments
+    assert [e.count for e in trainer.environments] == [4, 0, 4, 0]  # the tool ran on the rows that called it
+    reply = tool_reply_ids(tokenizer, [{"role": "tool", "name": "increment", "content": "4"}], {})
+    done = tokenizer("done<|im_end|>", add_special_tokens=False)["input_ids"]
+    n = len(first) + len(reply) + len(done)
+    assert batch.completion_ids[0, :n].tolist() == first + reply + done
+    assert batch.completion_mask[0, :n].tolist() == [0] + [1] * (len(first) - 1) + [0] * len(reply) + [1] * len(done)
+    assert batch.context_mask[0, :n].tolist() == [1] + [0] * (len(first) - 1) + [1] * len(reply) + [0] * len(done)
+    assert batch.completion_ids[1, : len(plain)].tolist() == plain and batch.context_mask[1].sum() == 1
+    assert len(ScriptedEngine.calls) == 1 and len(ScriptedEngine.calls[0]) == 2  # the engine: the two calling rows
+    assert seen["completions"][0][-1] == {"role": "assistant", "content": "done"}
+    assert trainer._metrics["train"]["tools/call_frequency"] == [0.5]
+
+
+def test_trainer_tools_and_environments_are_trls_attributes(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(environment_script, tokenizer)
+    plain = trainer_for(tmp_path, tokenizer, reward_funcs=zero)
+    assert plain.tools == [] and plain.environments is None
+    assert trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[add]).tools == [add]
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Count."}]] * 2, "target": ["4", "1"]})
+    trainer = trainer_for(
+        tmp_path, tokenizer, reward_funcs=zero, dataset=dataset, tools=[add], environment_factory=Counter
+    )
+    assert trainer.environments is None  # until the first rollout
+    assert [tool.__name__ for tool in trainer.tools] == ["add", "increment"]
+    probed = trainer.tools[1].__self__
+    assert isinstance(probed, Counter)  # a method bound to the environment instance probed at construction
+    one_rollout(trainer)
+    assert isinstance(trainer.environments, list) and len(trainer.environments) == 4
+    assert all(isinstance(e, Counter) for e in trainer.environments) and trainer.environments[0] is probed
+    assert [e.target for e in trainer.environments] == [4, 4, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "case, trl_words",  # the words TRL's own tests match
+    [
+        ("unknown environment", "not among the environments"),
+        ("no dataset, no environment", "`train_dataset` is required"),
+        ("several environments, no dataset", "requires a `train_dataset`"),
+        ("environment-owned data, no max_steps", "max_steps"),
+        ("no reward", "No reward source provided"),
+    ],
+)
+def test_errors_keep_trls_words(tmp_path, case, trl_words):
+    tokenizer = tool_tokenizer()
+    config, dataset, factory, tools, rewards = args_for(tmp_path), None, Counter, None, last_answer
+    if case == "unknown environment":
+        dataset = Dataset.from_dict({"environment": ["counter", "nowhere"], "target": ["1", "2"]})
+        factory = {"counter": Counter}
+    elif case == "no dataset, no environment":
+        factory, tools = None, [add]
+    elif case == "several environments, no dataset":
+        factory = {"counter": Counter, "echo": Echo}
+    elif case == "environment-owned data, no max_steps":
+        config = args_for(tmp_path, max_steps=-1, num_train_epochs=1)
+    else:
+        factory, rewards, dataset, tools = None, None, sums_dataset(), [add]
+    with pytest.raises(ValueError, match=trl_words):
+        GRPOTrainer(
+            build_tiny_model(tokenizer), rewards, config, train_dataset=dataset, processing_class=tokenizer,
+            tools=tools, environment_factory=factory,
+        )  # fmt: skip
 
 
 # ---- rollout_func: env_mask and logprobs ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class FreshPrompts:
                 self.position, seen = 0, set()
             row = self.dataset[self.order[self.position]]
             self.position += 1
-            if prompt_key(row["prompt"]) not in seen:
+            if prompt_key(row.get("prompt", row)) not in seen:  # environments: rows may have no prompt
                 rows.append(row)
         return rows
 

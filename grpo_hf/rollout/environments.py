@@ -2,9 +2,10 @@
 
 An environment is a class whose instances a factory (the class itself, or any callable) creates:
 
-- `reset(**row)` starts an episode on a dataset row (every column, `prompt` included; with several environments the
-  routing column `environment` is left out). It may return a string (or content parts), appended to the last user
-  message of the prompt: the observation the model starts from.
+- `reset(**row)` starts an episode on a dataset row, as TRL passes it: every column of the row, no more (a dataset
+  without a `prompt` column gives none: the episode's prompt is then an empty user message that the observation
+  fills; with several environments the routing column `environment` is left out). It may return a string (or
+  content parts), appended to the last user message of the prompt: the observation the model starts from.
 - its public methods (not `reset`, `get_reward`, nor names starting with `_`) are that episode's tools, described to
   the model by the chat template like any tool (type hints and docstrings);
 - an optional `get_reward()` (sync or async) scores the finished episode from the environment's state: it becomes a
@@ -76,6 +77,11 @@ class Environments:
             if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_types:
                 self.reward_types.append(type(instance))
 
+    def all_tools(self, tools: list[Callable]) -> list[Callable]:
+        """TRL's `trainer.tools`: the standalone tools, then the methods of each environment's first (probed)
+        instance, bound to it."""
+        return list(tools) + [m for name in self.factories for m in public_methods(self.pools[name][0])]
+
     def reward_funcs(self) -> list[Callable]:
         """One reward function per environment class that owns a reward (`get_reward`)."""
         return [environment_reward(env_type) for env_type in self.reward_types]
@@ -88,8 +94,8 @@ class Environments:
         unknown = sorted({repr(n) for n in names if n not in self.factories})
         if unknown:
             raise ValueError(
-                f"Rows name the environments {unknown} in their `environment` column, which environment_factory does "
-                f"not have; it has {sorted(self.factories)}."
+                f"Rows name the environments {unknown} in their `environment` column, which are not among the "
+                f"environments passed to `environment_factory`: it has {sorted(self.factories)}."
             )
         return names
 

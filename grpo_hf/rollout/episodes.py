@@ -140,17 +140,31 @@ class EpisodeRunner:
         self.device = None  # the run's device, where the image inputs of tool replies go
 
     def run(
-        self, generate: Generate, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools: Sequence[list[Callable]]
+        self,
+        generate: Generate,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        tools: Sequence[list[Callable]],
+        first_turns: Sequence[tuple[list[int], list[int], list[float]]] | None = None,
     ) -> Episodes:
-        """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row)."""
+        """Run one episode per prompt row (`prompt_ids` [B, P] left-padded) with its `tools` (a list per row).
+        `first_turns`: per row, a first turn sampled elsewhere (a `rollout_func`'s): its ids, 1/0 per id (sampled /
+        an environment's, read only) and the sampler's log-probs; the episodes go on from there (TRL's tool loop on
+        `rollout_func`'s output)."""
         episodes, counts = self._start(prompt_ids, prompt_mask, tools), [0, 0]
+        ready, in_flight = list(episodes), []
+        self._has_logps = True  # the sampler's log-probs are kept when every engine call (and first turn) gave them
+        if first_turns is not None:
+            starts = zip(episodes, first_turns, strict=True)
+            ready, in_flight = [], [e for e, (ids, sampled, logps) in starts if self.end_turn(e, ids, logps, sampled)]
         with _forked_rng(prompt_ids.device):
-            self._rounds(generate, list(episodes), counts, draw_seed())
+            self._rounds(generate, ready, counts, draw_seed(), in_flight)
         return self._as_rows(episodes, prompt_ids.device, *counts)
 
-    def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int], seed: int) -> None:
-        """Sample the turns of the `ready` episodes, one engine call per round of ready turns, until all are done."""
-        in_flight = []
+    def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int], seed: int, in_flight=()) -> None:
+        """Sample the turns of the `ready` episodes, one engine call per round of ready turns, until all are done
+        (`in_flight`: episodes whose tools are running already)."""
+        in_flight = list(in_flight)
         while ready or in_flight:
             if ready:
                 in_flight += self._sample_turns(generate, ready, seed)
@@ -220,7 +234,7 @@ class EpisodeRunner:
         completion_ids, completion_mask, logps = generate(
             ids, mask, max(budgets), images if has_images(images) else None, draws
         )  # [n, T] each
-        self._has_logps = logps is not None
+        self._has_logps = self._has_logps and logps is not None
         completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
         logps = logps.cpu() if logps is not None else None
         calling = []
@@ -231,11 +245,14 @@ class EpisodeRunner:
                 calling.append(episode)
         return calling
 
-    def end_turn(self, episode: _Episode, turn: list[int], logps: list[float]) -> bool:
-        """Append a sampled turn to its episode and read it: True when it asks for tools, whose calls start now."""
+    def end_turn(
+        self, episode: _Episode, turn: list[int], logps: list[float], sampled: list[int] | None = None
+    ) -> bool:
+        """Append a sampled turn to its episode and read it: True when it asks for tools, whose calls start now.
+        `sampled`: 1/0 per id (0: written by an environment, out of the loss); None: all sampled."""
         context = episode.context
         episode.ids += turn
-        episode.sampled += [1] * len(turn)
+        episode.sampled += [1] * len(turn) if sampled is None else list(sampled)
         episode.logps += logps
         message = self.parse(self.tokenizer, turn, context, list(episode.tools.values()))
         episode.messages.append(message)

@@ -8,7 +8,9 @@ sharded weights for it (ZeRO-3, FSDP2), has a LoRA policy's adapted layers decod
 - the engine, one completion per row (single turn);
 - with `tools` or an `environment_factory`, tool episodes on top of the engine (`episodes.EpisodeRunner`): each row's
   environment is reset first (`environments.Environments`), its prompt rendered with its tools' schemas;
-- the user's `rollout_func` (TRL's contract, `custom.rollout_from_func`), which replaces both.
+- the user's `rollout_func` (TRL's contract, `custom.rollout_from_func`), which replaces the engine's first turn: as
+  in TRL, each row's environment is reset before it is called (it gets the prompts with their observations), and
+  with tools its completions are each episode's first turn, a turn that calls tools going on on the engine.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class ToolSetup:
         environments = None if environment_factory is None else Environments(environment_factory, tools)
         return cls(tools, environments, tool_chat_template(tokenizer))
 
+    def all_tools(self) -> list[Callable]:
+        """TRL's `trainer.tools`: the standalone tools and every environment's methods (bound to its probed
+        instance)."""
+        return list(self.tools) if self.environments is None else self.environments.all_tools(self.tools)
+
     def reward_funcs(self) -> list[Callable]:
         """Each environment class's `get_reward`, as a reward function named after the class (weight 1)."""
         return [] if self.environments is None else self.environments.reward_funcs()
@@ -118,6 +125,7 @@ class Sampler:
         self.wrapped, self.rollout_func = wrapped, rollout_func
         self.tools = agentic.tools if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
+        self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
@@ -137,22 +145,11 @@ class Sampler:
             )
 
     def sample(self, prompts: list, columns: dict[str, list]) -> Sampled:
-        """Sample one completion (or episode) per row of `prompts`; `columns` (the rows' other fields) gain what
-        `rollout_func` returns besides its tokens, and `environments` with environments."""
-        device = self.accelerator.device
+        """Sample one completion (or episode) per row of `prompts` (None: a row without a prompt, which its
+        environment's `reset` writes); `columns` (the rows' other fields) gain what `rollout_func` returns besides its
+        tokens, and `environments` with environments."""
         if self.rollout_func is not None:
-            output = rollout_from_func(
-                self.rollout_func,
-                prompts,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_ids=self.generation.eos_token_ids,
-                vocab_size=self._vocab_size(),
-                device=device,
-            )
-            columns.update(output.columns)
-            return Sampled(
-                output.tokens, output.is_truncated, torch.zeros(len(prompts), dtype=torch.bool), output.logps
-            )
+            return self._from_func(prompts, columns)
         if self.episodes is not None:
             return self._episodes(prompts, columns)
         prompt_ids, prompt_mask, is_prompt_truncated, images = self._tokenize_images(prompts, columns)
@@ -163,6 +160,91 @@ class Sampler:
         logps = _engine_logps(engine, completion_mask)
         tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=images)
         return Sampled(tokens, is_truncated, is_prompt_truncated, logps)
+
+    def _start_environments(self, prompts: list, columns: dict[str, list]) -> tuple[list, list, list]:
+        """Reset each row's environment, as TRL before any sampling (`rollout_func`'s included): returns the prompts
+        (each `reset` observation appended), and per row the tools its prompt describes and those it calls. `reset`
+        gets the row as the dataset has it: no `prompt` where the row has none."""
+        row_tools = [self.tools] * len(prompts)
+        if self.environments is None:
+            return prompts, row_tools, row_tools
+        rows = [
+            {**({} if p is None else {"prompt": p}), **{k: v[i] for k, v in columns.items()}}
+            for i, p in enumerate(prompts)
+        ]
+        prompts = [EMPTY_PROMPT if p is None else p for p in prompts]
+        prompts, instances, schema_tools = self.environments.start(prompts, rows)
+        columns["environments"] = self.environments_in_use = instances
+        return prompts, schema_tools, self.environments.row_tools(instances, self.tools)
+
+    def _from_func(self, prompts: list, columns: dict[str, list]) -> Sampled:
+        """The user's `rollout_func` on the rows (their environments reset first); with tools, its completions are
+        each episode's first turn: a turn that calls tools goes on on the rollout engine, as TRL's tool loop."""
+        if self.environments is not None:
+            prompts, _, row_tools = self._start_environments(prompts, columns)
+        else:
+            row_tools = [self.tools] * len(prompts)
+        device = self.accelerator.device
+        output = rollout_from_func(
+            self.rollout_func,
+            prompts,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_ids=self.generation.eos_token_ids,
+            vocab_size=self._vocab_size(),
+            device=device,
+        )
+        columns.update(output.columns)
+        shown = prompts if self.environments is not None else None
+        not_cut = torch.zeros(len(prompts), dtype=torch.bool)
+        if self.episodes is None:
+            return Sampled(output.tokens, output.is_truncated, not_cut, output.logps, prompts=shown)
+        tokens = output.tokens
+        attended = tokens.completion_mask + (0 if tokens.context_mask is None else tokens.context_mask)
+        first_turns = [
+            (ids[keep].tolist(), sampled[keep].tolist(), logps[keep].tolist())
+            for ids, keep, sampled, logps in zip(
+                tokens.completion_ids.cpu(), attended.cpu().bool(), tokens.completion_mask.cpu(), output.logps.cpu(),
+                strict=True,
+            )
+        ]  # fmt: skip
+        with self.decoding() as (model, engine):
+            generate = self._turn_sampler(model, engine)
+            run = self.episodes.run(generate, tokens.prompt_ids, tokens.prompt_mask, row_tools, first_turns)
+        return self._episodes_sampled(tokens.prompt_ids, tokens.prompt_mask, not_cut, run, shown)
+
+    def _turn_sampler(self, model, engine):
+        """One engine call of the episode runner (`episodes.Generate`)."""
+
+        def generate(ids, mask, max_new_tokens, images, draws):  # images: each row's tool-reply images, or None
+            ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
+            extra = {"images": images} if images is not None else {}
+            completion_ids, completion_mask, _ = engine.generate(
+                model, ids, mask, max_new_tokens=max_new_tokens, draws=draws, **extra
+            )
+            return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
+
+        return generate
+
+    @staticmethod
+    def _episodes_sampled(prompt_ids, prompt_mask, is_prompt_truncated, run, prompts) -> Sampled:
+        tokens = Sequences(
+            prompt_ids,
+            prompt_mask,
+            run.completion_ids,
+            run.completion_mask,
+            context_mask=run.context_mask,
+            image_inputs=run.image_inputs,  # the images of the tool replies, which the forwards read
+        )
+        return Sampled(
+            tokens,
+            run.is_truncated,
+            is_prompt_truncated,
+            run.sampling_logps,
+            prompts=prompts,
+            messages=run.messages,
+            tool_calls=run.tool_calls,
+            tool_failures=run.tool_failures,
+        )
 
     def _tokenize_images(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
         """`_tokenize`, and for a VLM each row's image inputs (None when no row has images): by the processor with
@@ -185,14 +267,7 @@ class Sampler:
                 "`images` and tools= or environment_factory= cannot be combined (docs/vision.md). Drop the image "
                 "columns or the tools."
             )
-        row_tools = [self.tools] * len(prompts)
-        schema_tools = row_tools
-        if self.environments is not None:
-            prompts = [EMPTY_PROMPT if p is None else p for p in prompts]
-            rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
-            prompts, instances, schema_tools = self.environments.start(prompts, rows)
-            row_tools = self.environments.row_tools(instances, self.tools)
-            columns["environments"] = instances
+        prompts, schema_tools, row_tools = self._start_environments(prompts, columns)
         if not is_conversational(prompts[0]):
             raise ValueError(
                 "tools / environment_factory need conversational prompts (lists of chat messages): the chat template "
@@ -200,39 +275,14 @@ class Sampler:
             )
         prompt_ids, prompt_mask, is_prompt_truncated = self._tokenize(prompts, schema_tools)
         with self.decoding() as (model, engine):
-
-            def generate(ids, mask, max_new_tokens, images, draws):  # images: each row's tool-reply images, or None
-                ids, mask = ids.to(self.accelerator.device), mask.to(self.accelerator.device)
-                extra = {"images": images} if images is not None else {}
-                completion_ids, completion_mask, _ = engine.generate(
-                    model, ids, mask, max_new_tokens=max_new_tokens, draws=draws, **extra
-                )
-                return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
-
+            generate = self._turn_sampler(model, engine)
             if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
                 run = self.episodes.run_joining(
                     lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools, generate
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
-        tokens = Sequences(
-            prompt_ids,
-            prompt_mask,
-            run.completion_ids,
-            run.completion_mask,
-            context_mask=run.context_mask,
-            image_inputs=run.image_inputs,  # the images of the tool replies, which the forwards read
-        )
-        return Sampled(
-            tokens,
-            run.is_truncated,
-            is_prompt_truncated,
-            run.sampling_logps,
-            prompts=prompts,
-            messages=run.messages,
-            tool_calls=run.tool_calls,
-            tool_failures=run.tool_failures,
-        )
+        return self._episodes_sampled(prompt_ids, prompt_mask, is_prompt_truncated, run, prompts)
 
     def _tokenize(self, prompts: list, tools: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
         kwargs = self.template_kwargs if tools is not None else self.generation.chat_template_kwargs
