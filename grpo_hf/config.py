@@ -797,7 +797,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
 
     def defaults_differing_from_trl(self) -> list[str]:
         """`name=value (TRL: value)` for every field still at grpo_hf's default where TRL's default differs."""
-        ours = {f.name: f.default for f in dataclasses.fields(self)}
+        ours = {f.name: _USED_AS.get(f.name, f.default) for f in dataclasses.fields(self)}
         return [
             f"{name}={getattr(self, name)!r} (TRL: {trl!r})"
             for name, trl in TRL_DEFAULTS.items()
@@ -826,6 +826,9 @@ TRL_DEFAULTS: dict[str, Any] = {
     "bf16": True,  # TRL: True unless fp16 is set
     "logging_nan_inf_filter": True,  # TrainingArguments' default
 }
+
+# Fields declared None whose None `TrainingArguments` resolves when the config is built: the default as used.
+_USED_AS: dict[str, Any] = {"gradient_checkpointing": False}
 
 # TRL 1.16's GRPOConfig fields and GRPOTrainer arguments that grpo_hf does not take (yet), with the reason: the
 # one table of differences besides the defaults above (docs/porting.md shows both; tests/test_trl_dropin.py reads

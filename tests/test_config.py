@@ -81,6 +81,10 @@ def test_from_trl_defaults_and_the_defaults_that_differ(tmp_path, caplog):
     ours = GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     differing = ours.defaults_differing_from_trl()
     assert "loss_type='grpo' (TRL: 'dapo')" in differing and "beta=0.04 (TRL: 0.0)" in differing
+    assert "gradient_checkpointing=False (TRL: True)" in differing  # declared None, used as False
+    assert "gradient_checkpointing" not in " ".join(
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=True).defaults_differing_from_trl()
+    )
     explicit = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="dapo", beta=0.0)
     assert not any(d.startswith(("loss_type=", "beta=")) for d in explicit.defaults_differing_from_trl())
 

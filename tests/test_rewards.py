@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import math
+import re
 import threading
 import time
 import types
@@ -645,3 +646,14 @@ def test_compute_rewards_argument_checks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compute_rewards([], PROMPTS, COMPLETIONS) == ([[], [], []], {})
+
+
+def test_the_no_reward_error_suggests_registered_names():
+    """The names the "No reward source provided" error suggests are registry entries (a user copies them)."""
+    from grpo_hf.rewards import REWARD_FUNCS
+    from grpo_hf.rewards.reward_models import build_reward_funcs
+
+    with pytest.raises(ValueError, match="No reward source provided") as error:
+        build_reward_funcs([])
+    suggested = re.findall(r"'(\w+)'", re.search(r"reward_funcs=\[([^\]]*)\]", str(error.value)).group(1))
+    assert suggested and all(name in REWARD_FUNCS for name in suggested)

@@ -177,7 +177,8 @@ def build_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_
     if reward_funcs is None or (isinstance(reward_funcs, list | tuple) and len(reward_funcs) == 0):
         raise ValueError(  # TRL's opening words, so that ported code that matches them still does
             "No reward source provided: reward_funcs is empty. Pass at least one reward function, registry name or "
-            "reward model, e.g. reward_funcs=['accuracy', 'gsm8k_format'] or reward_funcs=[my_reward]."
+            "reward model, e.g. reward_funcs=['accuracy', 'format_gsm8k'] or reward_funcs=[my_reward], or an "
+            "environment_factory whose environment defines a `get_reward` method."
         )
     if not isinstance(reward_funcs, list | tuple):
         reward_funcs = [reward_funcs]
