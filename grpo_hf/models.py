@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import importlib.util
 import logging
 import os
@@ -27,7 +28,7 @@ from transformers import (
 )
 
 from grpo_hf.paths import check_local_path
-from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
+from grpo_hf.peft_utils import add_reference_adapter, base_model, can_add_reference_adapter, is_peft_model
 from grpo_hf.values import with_article
 from grpo_hf.vision import is_vision_model, tokenizer_of, vision_modules
 
@@ -110,7 +111,8 @@ def build_models(
 
     The reference model is built only `with_reference` (beta != 0), frozen, in eval mode; under LoRA there
     is none: the reference is the policy with a new adapter switched off, or, for a given PeftModel, with a frozen
-    copy of its adapter (`peft_utils.add_reference_adapter`), so no second copy of the model is built.
+    copy of its adapter (`peft_utils.add_reference_adapter`), so no second copy of the model is built; where PEFT
+    takes one adapter only (`target_parameters` before peft 0.20, TRL's rule), with its adapters off.
     A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
     """
     kwargs = with_quantization({"dtype": "auto", **(model_init_kwargs or {})}, quantization_config, model)
@@ -142,7 +144,16 @@ def build_models(
             turn_off_dropout(ref_model)
 
     if with_reference and is_peft_model(model):
-        add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL)
+        if can_add_reference_adapter(model):
+            add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL)
+        else:  # TRL's fallback: the reference is the model with its adapters off
+            logger.warning(
+                "This PEFT version (%s) takes one adapter only where the LoRA config uses `target_parameters` "
+                "(peft#3340), so the reference is the base model (adapters disabled), not a frozen copy of the given "
+                "adapter: the same only while that adapter is freshly initialised. Upgrade to peft>=0.20.0 to train "
+                "against a copy of the adapter, or pass the base model with a peft_config.",
+                importlib.import_module("peft").__version__,
+            )
     if peft_config is not None:
         from peft import get_peft_model
 

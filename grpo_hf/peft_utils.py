@@ -18,6 +18,7 @@ __all__ = [
     "active_adapters",
     "add_reference_adapter",
     "base_model",
+    "can_add_reference_adapter",
     "is_peft_model",
     "merged_lora_weight",
     "reference_adapter",
@@ -66,6 +67,17 @@ def merged_lora_weight(
         for adapter in adapters:
             total += layer.get_delta_weight(adapter).to(total.dtype)
     return total.to(weight.dtype) if out is None else out.copy_(total)
+
+
+def can_add_reference_adapter(model: Any) -> bool:
+    """Whether the PeftModel `model` can hold a second adapter beside its active one. TRL's rule: PEFT 0.17 to 0.19
+    take a single adapter where the LoRA config uses `target_parameters` (MoE experts; peft#3340, fixed in 0.20)."""
+    import peft
+    from packaging.version import Version
+
+    config = model.peft_config[active_adapters(model)[0]]
+    one_only = Version("0.17.0") <= Version(peft.__version__) < Version("0.20.0")
+    return not (one_only and getattr(config, "target_parameters", None))
 
 
 def add_reference_adapter(model: Any) -> None:

@@ -61,6 +61,62 @@ def test_a_given_peft_model_is_its_own_reference_frozen(tmp_path, tokenizer):
     assert trained and all(p.requires_grad for p in trained)  # the trained adapter is trainable again
 
 
+def moe_adapter(tokenizer):
+    """A tiny Qwen3-MoE whose LoRA adapts the experts' fused weights through `target_parameters`, lora_B random."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    model = get_peft_model(Qwen3MoeForCausalLM(config), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("peft_version", ["installed", "0.19.0"])
+def test_a_moe_adapter_on_target_parameters_takes_trls_reference(
+    tmp_path, tokenizer, monkeypatch, caplog, peft_version
+):
+    """A given PeftModel whose LoRA uses `target_parameters` (MoE experts): as TRL, a frozen "ref" copy of its adapter
+    where PEFT takes two adapters there (>= 0.20), else (PEFT 0.17-0.19, one adapter only) no second adapter, a
+    warning, and the model with its adapters off as the reference."""
+    import peft
+
+    if peft_version != "installed":
+        monkeypatch.setattr(peft, "__version__", peft_version)
+    model = moe_adapter(tokenizer)
+    given = copy.deepcopy(model).eval()
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.1)
+    with caplog.at_level("WARNING", logger="grpo_hf.models"):
+        trainer = GRPOTrainer(model, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
+    batches = []
+    original = trainer.experience.train_batches
+    trainer.experience.train_batches = lambda rows: batches.append(original(rows)) or batches[-1]
+    trainer.train()
+    first = batches[0][0]
+    with torch.no_grad():
+        adapted, _ = padded_logps(given, first)
+        with given.disable_adapter():
+            base, _ = padded_logps(given, first)
+    mask = first.completion_mask.bool()
+    assert (base[mask] - adapted[mask]).abs().max() > 1e-3  # the two candidate references differ
+    warned = any("target_parameters" in r.getMessage() for r in caplog.records)
+    if peft_version == "installed":  # peft >= 0.20 here: TRL adds the "ref" adapter
+        assert set(trainer.model.peft_config) == {"default", REFERENCE_ADAPTER} and not warned
+        torch.testing.assert_close(first.ref_logps[mask], adapted[mask], rtol=1e-5, atol=1e-5)
+    else:
+        assert set(trainer.model.peft_config) == {"default"} and warned
+        torch.testing.assert_close(first.ref_logps[mask], base[mask], rtol=1e-5, atol=1e-5)
+
+
 def test_a_new_adapter_keeps_the_base_model_as_reference(tmp_path, tokenizer):
     from peft import LoraConfig
 
