@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import importlib.util
 import logging
 import os
@@ -28,7 +27,7 @@ from transformers import (
 )
 
 from grpo_hf.paths import check_local_path
-from grpo_hf.peft_utils import add_reference_adapter, base_model, can_add_reference_adapter, is_peft_model
+from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
 from grpo_hf.values import with_article
 from grpo_hf.vision import is_vision_model, tokenizer_of, vision_modules
 
@@ -144,16 +143,7 @@ def build_models(
             turn_off_dropout(ref_model)
 
     if with_reference and is_peft_model(model):
-        if can_add_reference_adapter(model):
-            add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL)
-        else:  # TRL's fallback: the reference is the model with its adapters off
-            logger.warning(
-                "This PEFT version (%s) takes one adapter only where the LoRA config uses `target_parameters` "
-                "(peft#3340), so the reference is the base model (adapters disabled), not a frozen copy of the given "
-                "adapter: the same only while that adapter is freshly initialised. Upgrade to peft>=0.20.0 to train "
-                "against a copy of the adapter, or pass the base model with a peft_config.",
-                importlib.import_module("peft").__version__,
-            )
+        add_reference_adapter(model)  # the reference is the adapter given, frozen (TRL), where PEFT can hold a copy
     if peft_config is not None:
         from peft import get_peft_model
 

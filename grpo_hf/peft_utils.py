@@ -8,6 +8,7 @@ importable without it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ __all__ = [
     "merged_lora_weight",
     "reference_adapter",
 ]
+
+logger = logging.getLogger(__name__)
 
 REFERENCE_ADAPTER = "ref"  # TRL's name for the frozen copy of a given adapter
 
@@ -83,8 +86,19 @@ def can_add_reference_adapter(model: Any) -> bool:
 def add_reference_adapter(model: Any) -> None:
     """Copy the active adapter of the PeftModel `model` into a second adapter, `REFERENCE_ADAPTER`, frozen: the
     reference of a run that starts from a trained adapter is that adapter, not the base model (TRL does the same).
-    The active adapter stays the trained one."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    The active adapter stays the trained one. Where PEFT cannot hold the copy (`can_add_reference_adapter`), TRL's
+    fallback, with a warning: no copy, the reference is the model with its adapters off (`reference_adapter`)."""
+    from peft import __version__, get_peft_model_state_dict, set_peft_model_state_dict
+
+    if not can_add_reference_adapter(model):
+        logger.warning(
+            "PEFT %s takes one adapter only where the LoRA config uses `target_parameters` (peft#3340), so the "
+            "reference is the base model (adapters disabled), not a frozen copy of the given adapter: the same only "
+            "while that adapter is freshly initialised. Upgrade to peft>=0.20.0 to train against a copy of the "
+            "adapter, or pass the base model with a peft_config.",
+            __version__,
+        )
+        return
 
     active = model.active_adapter
     model.add_adapter(REFERENCE_ADAPTER, model.peft_config[active])

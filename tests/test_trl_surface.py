@@ -95,7 +95,7 @@ def test_a_moe_adapter_on_target_parameters_takes_trls_reference(
     model = moe_adapter(tokenizer)
     given = copy.deepcopy(model).eval()
     args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.1)
-    with caplog.at_level("WARNING", logger="grpo_hf.models"):
+    with caplog.at_level("WARNING", logger="grpo_hf.peft_utils"):
         trainer = GRPOTrainer(model, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
     batches = []
     original = trainer.experience.train_batches
