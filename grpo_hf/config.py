@@ -66,8 +66,6 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
       reference model is built and no reference forward is run.
     - `disable_dropout=True` (TRL: `False`): dropout makes the "on-policy" ratio differ from 1 and
       adds noise to the old/reference log-probs; RL fine-tuning runs switch it off.
-    - `max_prompt_length=512` is kept (TRL 1.x removed it): prompts are left-truncated and the
-      `prompts/num_truncated` metric counts how often.
     - `max_completion_length=256` (TRL: 512): GSM8K-style answers are short.
     - `use_bias_correction_kl=False` (TRL: `True`): DeepSeekMath's k3 KL term as the paper writes it.
     - `logging_steps=1` (TRL: 10): RL runs are short and noisy; every step's reward is worth seeing.
@@ -133,8 +131,13 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
 
     # ---- data and generation ----------------------------------------------------------------------
     max_prompt_length: int | None = field(
-        default=512,
-        metadata={"help": "Prompts longer than this many tokens are left-truncated. `None` disables truncation."},
+        default=None,
+        metadata={
+            "help": "None (TRL's): prompts are never cut. Else a prompt over this many tokens is cut to fit, with a "
+            "warning at the first cut and the `prompts/num_truncated` metric: a chat prompt loses whole turns of its "
+            "history (its system messages, the tools' schemas and its last user turn are kept; a prompt whose kept "
+            "part is over the limit is an error), a plain-text prompt its beginning."
+        },
     )
     num_generations: int = field(
         default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
@@ -818,7 +821,6 @@ TRL_DEFAULTS: dict[str, Any] = {
     "loss_type": "dapo",
     "beta": 0.0,
     "disable_dropout": False,
-    "max_prompt_length": None,  # TRL 1.x has no prompt truncation
     "max_completion_length": 512,
     "use_bias_correction_kl": True,
     "logging_steps": 10,

@@ -254,12 +254,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         )
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
-        return RepeatSampler(
-            num_prompts=len(eval_dataset),
-            num_generations=self.args.num_generations_eval or self.args.num_generations,
-            prompts_per_batch=1,
-            shuffle=False,
-        )
+        G = self.args.num_generations_eval or self.args.num_generations
+        return RepeatSampler(num_prompts=len(eval_dataset), num_generations=G, prompts_per_batch=1, shuffle=False)
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
         """Trainer's, and for a stream (`datasets.IterableDataset`, `grpo_hf.streams`) the samplers' order made on
@@ -289,11 +285,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout."""
         return self.experience.engine
 
-    @property
-    def environments(self) -> list | None:
-        """TRL's attribute: the environment instances of the last rollout, one per row (None before the first, or
-        without `environment_factory`)."""
-        return self.experience.sampler.environments_in_use
+    # TRL's attribute: the environment instances of the last rollout, one per row (None before it, or without any)
+    environments = property(lambda self: self.experience.sampler.environments_in_use)
 
     @property
     def num_generate_calls(self) -> int:

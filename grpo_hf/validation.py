@@ -16,8 +16,8 @@ What is checked when:
        (`_check_stream`: the settings it needs, then its first rows are checked as below), has a 'prompt' column,
        no column named like a reward-function argument, and (train) rows for one generation batch; then one pass
        over its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to
-       render them; and, only where left-truncation to `max_prompt_length` does not already keep prompt +
-       completion within the model's positions, the token length of the longest prompts (`_check_prompt_lengths`).
+       render them; and, unless `max_prompt_length` (None by default, as TRL) already keeps prompt + completion
+       within the model's positions, the token length of the longest prompts (`_check_prompt_lengths`).
        Large datasets are sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
   3. `rewards.reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
      `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
@@ -388,8 +388,9 @@ def _has_image(content: str | list) -> bool:
 
 def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_positions: int | None) -> None:
     """Prompt + completion must fit the model's positions, and vLLM's context window when it is set and smaller (vLLM
-    would end completions early). Prompts are left-truncated to `max_prompt_length`, so only when that is None or too
-    large are the prompts tokenized: the `MAX_ROWS_TOKENIZED` longest (by characters)."""
+    would end completions early). Prompts are cut to `max_prompt_length` (`rollout.prompts.fit_prompt`), so only when
+    that is None (the default) or too large are the prompts tokenized: the `MAX_ROWS_TOKENIZED` longest (by
+    characters)."""
     window = args.vllm_context_window()  # vLLM's, when set (`vllm_config`)
     fix = ", raise vllm_max_model_length" if window is not None else ""
     if window is not None and (max_positions is None or window < max_positions):
@@ -429,7 +430,8 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
             raise ValueError(
                 f"{name} row {indices[k]}: the prompt has {length} tokens; with {setting} and max_completion_length="
                 f"{args.max_completion_length}, prompt + completion exceed {within}. Set max_prompt_length <= "
-                f"{room} (longer prompts are left-truncated), lower max_completion_length{fix}, or drop the long rows."
+                f"{room} (longer prompts are then cut: a chat prompt loses whole turns of its history), lower "
+                f"max_completion_length{fix}, or drop the long rows."
             )
 
 

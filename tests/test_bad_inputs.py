@@ -528,7 +528,18 @@ MESSAGES = [
         ),
         raises(ValueError, r"train_dataset row \d: the chat template fails on this prompt: no system messages"),
     ),
-    Case("system + user chat", chat({"role": "system", "content": "s"}, {"role": "user", "content": "a"}), runs()),
+    Case(
+        "system + user chat",
+        both(
+            chat({"role": "system", "content": "s"}, {"role": "user", "content": "a"}), config(max_prompt_length=None)
+        ),
+        runs(),
+    ),
+    Case(
+        "system + user chat over max_prompt_length: never cut into the system message",
+        chat({"role": "system", "content": "s"}, {"role": "user", "content": "a"}),
+        raises(ValueError, r"over max_prompt_length=16, and still \d+ tokens with its history dropped", when="train"),
+    ),
     Case(
         "extra keys and a tool message",
         chat({"role": "user", "content": "a", "name": "x"}, {"role": "tool", "content": "4", "name": None}),

@@ -971,6 +971,76 @@ def test_errors_keep_trls_words(tmp_path, case, trl_words):
         )  # fmt: skip
 
 
+# ---- max_prompt_length: None by default (TRL); when set, whole turns of history go, never the system or the tools --
+SYSTEM = {"role": "system", "content": "You add numbers with the tool you are given, and say the sum. " * 4}
+
+
+def chat_with_history(k: int) -> list[dict]:
+    return [
+        SYSTEM,
+        {"role": "user", "content": "Tell me a long story first. " * 6},
+        {"role": "assistant", "content": "Once upon a time there was a sum. " * 8},
+        {"role": "user", "content": "Now a short one."},
+        {"role": "assistant", "content": "The end."},
+        {"role": "user", "content": f"What is {k} + {k + 3}?"},
+    ]
+
+
+def rendered(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, tools=[add], add_generation_prompt=True, tokenize=False)
+
+
+def test_max_prompt_length_is_none_by_default_so_a_long_system_and_tool_prompt_is_whole(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(answer_after_tools, tokenizer)
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=160, max_steps=1)
+    config = GRPOConfig(
+        output_dir=str(tmp_path), **settings, beta=0.0, use_cpu=True, report_to="none", rollout_engine="scripted"
+    )
+    assert config.max_prompt_length is None  # TRL's: no limit
+    prompt = [SYSTEM, {"role": "user", "content": "What is 0 + 3?"}]
+    dataset = Dataset.from_dict({"prompt": [prompt, prompt], "answer": ["3", "3"]})
+    trainer = trainer_for(tmp_path, tokenizer, dataset=dataset, tools=[add], args=config)
+    one_rollout(trainer)
+    seen = ScriptedEngine.calls[0][0]
+    assert len(tokenizer(seen)["input_ids"]) > 512  # over the old default
+    assert seen == rendered(tokenizer, prompt)  # the system message and the tool's schema, whole
+    assert trainer._metrics["train"]["prompts/num_truncated"] == [0.0]
+
+
+def test_a_prompt_over_max_prompt_length_loses_whole_turns_of_history_and_says_so_once(tmp_path, caplog):
+    tokenizer = tool_tokenizer()
+    scripted(answer_after_tools, tokenizer)
+    prompts = [chat_with_history(k) for k in range(2)]
+    kept = [[m for j, m in enumerate(p) if j not in (1, 2)] for p in prompts]  # the first turn of history dropped
+    limit = max(len(tokenizer(rendered(tokenizer, p))["input_ids"]) for p in kept)
+    assert all(len(tokenizer(rendered(tokenizer, p))["input_ids"]) > limit for p in prompts)
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": ["3", "5"]})
+    config = args_for(tmp_path, max_prompt_length=limit)
+    trainer = trainer_for(tmp_path, tokenizer, dataset=dataset, tools=[add], args=config)
+    with caplog.at_level("WARNING", logger="grpo_hf.rollout.sampler"):
+        one_rollout(trainer)
+        one_rollout(trainer)
+    assert ScriptedEngine.calls[0][0] == rendered(tokenizer, kept[0])  # system, tools and the last turns, whole
+    assert ScriptedEngine.calls[0][2] == rendered(tokenizer, kept[1])
+    assert trainer._metrics["train"]["prompts/num_truncated"] == [4.0, 4.0]
+    warnings = [r.getMessage() for r in caplog.records if "max_prompt_length" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("4 of the 4 prompt rows of this rollout are over")
+    assert "whole turns of their history were dropped" in warnings[0]
+
+
+def test_a_prompt_whose_system_tools_and_last_turn_are_over_max_prompt_length_is_an_error(tmp_path):
+    tokenizer = tool_tokenizer()
+    scripted(answer_after_tools, tokenizer)
+    prompt = [SYSTEM, {"role": "user", "content": "What is 0 + 3?"}]
+    dataset = Dataset.from_dict({"prompt": [prompt, prompt], "answer": ["3", "3"]})
+    trainer = trainer_for(
+        tmp_path, tokenizer, dataset=dataset, tools=[add], args=args_for(tmp_path, max_prompt_length=64)
+    )
+    with pytest.raises(ValueError, match=r"over max_prompt_length=64, and still \d+ tokens with its history dropped"):
+        one_rollout(trainer)
+
+
 # ---- rollout_func: env_mask and logprobs ----------------------------------------------------------------------------
 def test_rollout_func_env_mask_and_logprobs(tmp_path):
     tokenizer = tool_tokenizer()

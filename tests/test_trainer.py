@@ -417,15 +417,14 @@ def test_conversational_prompts_and_log_completions(tmp_path, tokenizer, tiny_ll
         return [float(len(c[0]["content"])) for c in completions]
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}"}] for i in range(4)]})
-    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, log_completions=True, max_prompt_length=16)
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=1, log_completions=True, max_prompt_length=None)
     trainer = make_trainer(args, chat_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
     trainer.train()
     assert seen["prompt"][0]["role"] == "user"
     assert seen["completion"][0]["role"] == "assistant"
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and set(rows[0]) == {"step", "prompt", "completion", "rewards", "advantage"}
-    # The chat template makes every prompt longer than 16 tokens: each one was left-truncated.
-    assert train_logs(trainer)[0]["prompts/num_truncated"] == 4
+    assert train_logs(trainer)[0]["prompts/num_truncated"] == 0  # no limit: nothing cut
 
 
 def _run_distributed_step(

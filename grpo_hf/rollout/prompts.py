@@ -1,7 +1,9 @@
 """Prompts: tokenisation with the chat template, completion masks, EOS ids.
 
-- `tokenize_prompts` applies the chat template, left-truncates to `max_prompt_length`, left-pads,
+- `tokenize_prompts` applies the chat template, fits a prompt over `max_prompt_length` (`fit_prompt`), left-pads,
   and encodes each distinct prompt once (a group's G copies share one encoding).
+- `fit_prompt`: a chat prompt loses whole turns of its history, oldest first, never its system messages, the tools'
+  schemas nor its last user turn (an error when those alone are over the limit); a plain-text prompt its beginning.
 - `completion_mask` marks completion tokens up to and including the first EOS (docs/design.md ("The maths"), `m`).
 - `prompt_runs` finds the groups inside a batch: runs of identical consecutive prompt rows.
 
@@ -44,7 +46,8 @@ def tokenize_prompts(
     chat_template_kwargs: dict | None = None,
     tools: Sequence[list | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Encode prompts once per run of identical consecutive prompts (a group), left-pad and left-truncate.
+    """Encode prompts once per run of identical consecutive prompts (a group), left-pad, and fit those over
+    `max_prompt_length` (`fit_prompt`; None: no limit, TRL's).
     `tools`: per row, the tools the chat template describes in its prompt (tool episodes); None: no tools.
 
     Returns `prompt_ids [N, P]`, `prompt_mask [N, P]` and `is_prompt_truncated [N]` (bool).
@@ -68,7 +71,8 @@ def tokenize_prompts(
         too_long = max_prompt_length is not None and len(ids) > max_prompt_length
         truncated.append(too_long)
         if too_long:
-            encoded[k] = ids[-max_prompt_length:]  # keep the end: it holds the question and generation prompt
+            kwargs = {**(chat_template_kwargs or {}), **({"tools": tools[starts[k]]} if tools[starts[k]] else {})}
+            encoded[k] = fit_prompt(prompts[starts[k]], ids, max_prompt_length, _encoder(tokenizer, kwargs))
     if any(len(ids) == 0 for ids in encoded):
         raise ValueError("A prompt encodes to zero tokens; remove empty prompts from the dataset.")
 
@@ -78,6 +82,38 @@ def tokenize_prompts(
     prompt_mask = unique_mask.repeat_interleave(repeats, dim=0)  # [N, P]
     is_prompt_truncated = torch.tensor(truncated).repeat_interleave(repeats)  # [N]
     return prompt_ids, prompt_mask, is_prompt_truncated
+
+
+def _encoder(tokenizer, chat_template_kwargs: dict):
+    """messages -> the ids of the prompt they make (`prompt_text`)."""
+    return lambda prompt: tokenizer(prompt_text(tokenizer, prompt, chat_template_kwargs), add_special_tokens=False)[
+        "input_ids"
+    ]
+
+
+def fit_prompt(prompt: str | list[dict], ids: list[int], max_prompt_length: int, encode) -> list[int]:
+    """The ids of `prompt` (`ids`, over `max_prompt_length`) cut to fit: a plain-text prompt keeps its end (the
+    question and what follows it); a chat prompt drops whole turns of its history, oldest first (a turn: a user
+    message and what follows it up to the next one), keeping its leading system messages, the tools' schemas (the
+    template renders them whatever the messages) and its last user turn; `encode(messages)` gives the ids of a
+    shorter prompt. A chat prompt that cannot fit so is an error: cutting into the system message or the tools'
+    schemas would leave the model without its instructions or its tools."""
+    if not is_conversational(prompt):
+        return ids[-max_prompt_length:]
+    head = next((i for i, m in enumerate(prompt) if m.get("role") != "system"), len(prompt))
+    users = [i for i, m in enumerate(prompt) if m.get("role") == "user" and i > head]
+    for start in users:  # drop prompt[head:start]: the history before that user turn
+        shorter = encode(prompt[:head] + prompt[start:])
+        if len(shorter) <= max_prompt_length:
+            return shorter
+    kept = len(encode(prompt[:head] + prompt[users[-1] :])) if users else len(ids)
+    raise ValueError(
+        f"A chat prompt is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}, and still {kept} "
+        "tokens with its history dropped: its system messages, the tools' schemas and its last user turn alone are "
+        "over the limit, and cutting into them would hide the model's instructions or tools. Raise max_prompt_length "
+        "(or set it to None, TRL's default: no limit), shorten the system message or the tools' docstrings, or drop "
+        "the long rows from the dataset."
+    )
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,6 +126,7 @@ class Sampler:
         self.tools = agentic.tools if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
+        self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
@@ -254,6 +255,7 @@ class Sampler:
         images = [row_images({k: columns[k][i] for k in IMAGE_COLUMNS if k in columns}) for i in range(len(prompts))]
         settings = (self.args.max_prompt_length, self.generation.chat_template_kwargs)
         ids, mask, truncated, rows = tokenize_vision_prompts(self.processor, prompts, images, *settings)
+        self._report_cut(prompts, truncated)
         device = self.accelerator.device
         on_device = {id(r): {k: v.to(device) for k, v in r.items()} for r in rows if r}
         rows = [on_device[id(r)] if r else None for r in rows]  # a group's rows still share one
@@ -289,7 +291,27 @@ class Sampler:
         prompt_ids, prompt_mask, truncated = tokenize_prompts(
             self.tokenizer, prompts, self.args.max_prompt_length, kwargs, tools=tools
         )
+        self._report_cut(prompts, truncated)
         return prompt_ids.to(self.accelerator.device), prompt_mask.to(self.accelerator.device), truncated
+
+    def _report_cut(self, prompts: list, truncated: Tensor) -> None:
+        """Warn, once a run, when prompts were over max_prompt_length: how many, and how they were cut (later cuts:
+        the `prompts/num_truncated` metric)."""
+        if self.warned_cut or not bool(truncated.any()):
+            return
+        self.warned_cut = True
+        chat = is_conversational(prompts[0])
+        logger.warning(
+            "%d of the %d prompt rows of this rollout are over max_prompt_length=%d and were cut: %s. Later cuts are "
+            "counted by the prompts/num_truncated metric only. max_prompt_length=None (TRL's default) keeps prompts "
+            "whole.",
+            int(truncated.sum()),
+            len(prompts),
+            self.args.max_prompt_length,
+            "whole turns of their history were dropped, their system messages, tools' schemas and last user turn kept"
+            if chat
+            else "their beginning was dropped",
+        )
 
     def _vocab_size(self) -> int:
         model = self.accelerator.unwrap_model(self.wrapped())

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
-from grpo_hf.rollout.prompts import is_conversational
+from grpo_hf.rollout.prompts import fit_prompt, is_conversational
 from grpo_hf.rollout.tools import tool_reply_ids
 from grpo_hf.vision import PER_TOKEN_FIELDS, ImageRow, tokenizer_of
 
@@ -108,7 +108,7 @@ def tokenize_vision_prompts(
     consecutive rows (a group) is encoded once and its rows share one `ImageRow`.
 
     A prompt with images longer than `max_prompt_length` is an error: left-truncation would cut image tokens from
-    their features. A text-only prompt is left-truncated as `tokenize_prompts` does.
+    their features. A text-only prompt is fitted as `tokenize_prompts` does (`prompts.fit_prompt`).
     """
     tokenizer = tokenizer_of(processor)
     starts = [i for i in range(len(prompts)) if i == 0 or prompts[i] != prompts[i - 1] or images[i] != images[i - 1]]
@@ -123,7 +123,10 @@ def tokenize_vision_prompts(
                 "left-truncating it would cut image tokens away from their features. Raise max_prompt_length (or set "
                 "it to None), or use smaller images (the image processor's max_pixels)."
             )
-        encoded.append(ids[-max_prompt_length:] if too_long else ids)
+        if too_long:  # text only: as `tokenize_prompts` (whole turns of history, or a plain prompt's beginning)
+            encode = lambda p: _encode(processor, p, [], chat_template_kwargs or {})[0]  # noqa: E731
+            ids = fit_prompt(prompts[start], ids, max_prompt_length, encode)
+        encoded.append(ids)
         truncated += [too_long] * (stop - start)
         rows += [row] * (stop - start)
     if any(len(ids) == 0 for ids in encoded):
