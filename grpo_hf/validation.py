@@ -17,7 +17,9 @@ What is checked when:
        no column named like a reward-function argument, and (train) rows for one generation batch; then one pass
        over its prompts: type, emptiness, message roles and contents, chat and plain not mixed, a chat template to
        render them; and, unless `max_prompt_length` (None by default, as TRL) already keeps prompt + completion
-       within the model's positions, the token length of the longest prompts (`_check_prompt_lengths`).
+       within the model's positions, the token length of the longest prompts (`_check_prompt_lengths`); when it
+       does, that the part of each chat prompt never cut (system messages, last user turn) fits it
+       (`_check_kept_parts`).
        Large datasets are sampled (`MAX_ROWS_SCANNED`, `MAX_ROWS_TOKENIZED`) and the log says so.
   3. `rewards.reward_models.build_reward_funcs` (a reward model path goes through `check_local_path`), then
      `check_reward_funcs`: each function accepts every keyword argument it will get (or `**kwargs`) and gets every
@@ -43,7 +45,7 @@ from grpo_hf import streams
 from grpo_hf.paths import check_local_path, looks_like_local_path
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rewards.calling import REWARD_ARGUMENTS
-from grpo_hf.rollout.prompts import is_conversational, prompt_text
+from grpo_hf.rollout.prompts import is_conversational, kept_part, prompt_text
 from grpo_hf.rollout.vision import IMAGE_COLUMNS
 from grpo_hf.values import with_article as _a
 from grpo_hf.vision import is_processor, tokenizer_of
@@ -407,6 +409,7 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
         )
     limit = args.max_prompt_length
     if limit is not None and limit <= room:
+        _check_kept_parts(indices, prompts, name, tokenizer, args)
         return
     order = sorted(range(len(prompts)), key=lambda k: -_num_chars(prompts[k]))
     if len(order) > MAX_ROWS_TOKENIZED:
@@ -432,6 +435,26 @@ def _check_prompt_lengths(indices, prompts, name: str, tokenizer, args, max_posi
                 f"{args.max_completion_length}, prompt + completion exceed {within}. Set max_prompt_length <= "
                 f"{room} (longer prompts are then cut: a chat prompt loses whole turns of its history), lower "
                 f"max_completion_length{fix}, or drop the long rows."
+            )
+
+
+def _check_kept_parts(indices, prompts, name: str, tokenizer, args) -> None:
+    """With `max_prompt_length`, a chat prompt is cut by whole turns of history, never its system messages nor its
+    last user turn (`rollout.prompts.fit_prompt`): those of the `MAX_ROWS_TOKENIZED` longest chat prompts must fit
+    (the tools' schemas, added at the rollout, are checked there)."""
+    chats = [k for k in range(len(prompts)) if is_conversational(prompts[k])]
+    order = sorted(chats, key=lambda k: -_num_chars(kept_part(prompts[k])))[:MAX_ROWS_TOKENIZED]
+    if not order:
+        return
+    texts = [prompt_text(tokenizer, kept_part(prompts[k]), args.chat_template_kwargs) for k in order]
+    lengths = [len(ids) for ids in tokenizer_of(tokenizer)(texts, add_special_tokens=False)["input_ids"]]
+    for k, length in zip(order, lengths, strict=True):
+        if length > args.max_prompt_length:
+            raise ValueError(
+                f"{name} row {indices[k]}: its system messages and last user turn alone are {length} tokens, over "
+                f"max_prompt_length={args.max_prompt_length}; a chat prompt is cut by whole turns of its history "
+                "only, never into those. Raise max_prompt_length (or set it to None, TRL's default), or drop the "
+                "long rows."
             )
 
 

@@ -1030,14 +1030,22 @@ def test_a_prompt_over_max_prompt_length_loses_whole_turns_of_history_and_says_s
 
 
 def test_a_prompt_whose_system_tools_and_last_turn_are_over_max_prompt_length_is_an_error(tmp_path):
+    """Refused when the trainer is built where the system message and last user turn alone are over the limit, at
+    the rollout where the tools' schemas make them so."""
     tokenizer = tool_tokenizer()
     scripted(answer_after_tools, tokenizer)
     prompt = [SYSTEM, {"role": "user", "content": "What is 0 + 3?"}]
     dataset = Dataset.from_dict({"prompt": [prompt, prompt], "answer": ["3", "3"]})
-    trainer = trainer_for(
-        tmp_path, tokenizer, dataset=dataset, tools=[add], args=args_for(tmp_path, max_prompt_length=64)
+    alone = len(
+        tokenizer(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))["input_ids"]
     )
-    with pytest.raises(ValueError, match=r"over max_prompt_length=64, and still \d+ tokens with its history dropped"):
+    assert alone < 500 < len(tokenizer(rendered(tokenizer, prompt))["input_ids"])
+    with pytest.raises(ValueError, match=rf"row 0: its system messages and last user turn alone are {alone} tokens"):
+        trainer_for(tmp_path, tokenizer, dataset=dataset, tools=[add], args=args_for(tmp_path, max_prompt_length=64))
+    trainer = trainer_for(
+        tmp_path, tokenizer, dataset=dataset, tools=[add], args=args_for(tmp_path, max_prompt_length=500)
+    )
+    with pytest.raises(ValueError, match=r"over max_prompt_length=500, and still \d+ tokens with its history dropped"):
         one_rollout(trainer)
 
 

@@ -91,6 +91,19 @@ def _encoder(tokenizer, chat_template_kwargs: dict):
     ]
 
 
+def _turns(prompt: list[dict]) -> tuple[int, list[int]]:
+    """The number of leading system messages, and the index of each later user message that starts a turn after the
+    first non-system message (where history may be cut)."""
+    head = next((i for i, m in enumerate(prompt) if m.get("role") != "system"), len(prompt))
+    return head, [i for i, m in enumerate(prompt) if m.get("role") == "user" and i > head]
+
+
+def kept_part(prompt: list[dict]) -> list[dict]:
+    """What `fit_prompt` never cuts from a chat prompt: its leading system messages and its last user turn on."""
+    head, users = _turns(prompt)
+    return prompt[:head] + prompt[users[-1] :] if users else prompt
+
+
 def fit_prompt(prompt: str | list[dict], ids: list[int], max_prompt_length: int, encode) -> list[int]:
     """The ids of `prompt` (`ids`, over `max_prompt_length`) cut to fit: a plain-text prompt keeps its end (the
     question and what follows it); a chat prompt drops whole turns of its history, oldest first (a turn: a user
@@ -100,13 +113,12 @@ def fit_prompt(prompt: str | list[dict], ids: list[int], max_prompt_length: int,
     schemas would leave the model without its instructions or its tools."""
     if not is_conversational(prompt):
         return ids[-max_prompt_length:]
-    head = next((i for i, m in enumerate(prompt) if m.get("role") != "system"), len(prompt))
-    users = [i for i, m in enumerate(prompt) if m.get("role") == "user" and i > head]
+    head, users = _turns(prompt)
     for start in users:  # drop prompt[head:start]: the history before that user turn
         shorter = encode(prompt[:head] + prompt[start:])
         if len(shorter) <= max_prompt_length:
             return shorter
-    kept = len(encode(prompt[:head] + prompt[users[-1] :])) if users else len(ids)
+    kept = len(encode(kept_part(prompt))) if users else len(ids)
     raise ValueError(
         f"A chat prompt is {len(ids)} tokens long, over max_prompt_length={max_prompt_length}, and still {kept} "
         "tokens with its history dropped: its system messages, the tools' schemas and its last user turn alone are "
