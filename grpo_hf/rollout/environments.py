@@ -111,6 +111,17 @@ class Environments:
             instances.append(instance)
         return prompts, instances, [self.schema_tools[name] for name in names]
 
+    def retire(self, instances: list[Any]) -> None:
+        """Take `instances` out of their pools for good (a call of theirs timed out and may still be running): the
+        next rollout that needs one more instance makes a new one."""
+        gone = {id(instance) for instance in instances}
+        for name, pool in self.pools.items():
+            self.pools[name] = [instance for instance in pool if id(instance) not in gone]
+
+    def tool_names(self) -> set[str]:
+        """The names of every environment's tools (the standalone tools included)."""
+        return {tool.__name__ for tools in self.schema_tools.values() for tool in tools}
+
     def row_tools(self, instances: list[Any], tools: list[Callable]) -> list[list[Callable]]:
         """The tools each episode calls: the standalone ones and its own instance's methods."""
         return [list(tools) + public_methods(instance) for instance in instances]

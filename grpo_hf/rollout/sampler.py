@@ -31,7 +31,7 @@ from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
 from grpo_hf.rollout.episodes import EpisodeRunner
 from grpo_hf.rollout.lora_decode import LoraDecode
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
-from grpo_hf.rollout.tools import tool_chat_template
+from grpo_hf.rollout.tools import ToolStats, tool_chat_template
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
 from grpo_hf.vision import has_images, image_token_ids, is_processor, tokenizer_of
 
@@ -78,6 +78,11 @@ class ToolSetup:
         """Each environment class's `get_reward`, as a reward function named after the class (weight 1)."""
         return [] if self.environments is None else self.environments.reward_funcs()
 
+    def tool_names(self) -> list[str]:
+        """Every tool's name, standalone and environments' (the per-tool metrics' names), sorted."""
+        names = {tool.__name__ for tool in self.tools}
+        return sorted(names | (self.environments.tool_names() if self.environments is not None else set()))
+
     def reward_columns(self) -> list[str]:
         """The keyword arguments the episodes add for the reward functions."""
         return ["environments"] if self.environments is not None else []
@@ -97,6 +102,8 @@ class Sampled:
     messages: list | None = None  # [B] each episode's chat messages (tool episodes); None: decode the ids
     tool_calls: int | None = None  # calls made over the B rows (tool episodes); None: no tools
     tool_failures: int = 0
+    tool_stats: dict[str, ToolStats] | None = None  # per tool of the run (every name, called or not); None: no tools
+    turns: list[int] | None = None  # [B] the model's turns in each episode (tool episodes)
 
 
 class Sampler:
@@ -117,6 +124,7 @@ class Sampler:
         self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
         self.wrapped, self.rollout_func = wrapped, rollout_func
         self.tools = agentic.tools if agentic is not None else []
+        self.tool_names = agentic.tool_names() if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
@@ -215,6 +223,9 @@ class Sampler:
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
+        if self.environments is not None:  # a timed-out call may still be running on its instance: never reused
+            self.environments.retire(run.timed_out_owners)
+        tool_stats = {name: run.tool_stats.get(name, ToolStats()) for name in self.tool_names}  # unknown names: out
         tokens = Sequences(
             prompt_ids,
             prompt_mask,
@@ -232,6 +243,8 @@ class Sampler:
             messages=run.messages,
             tool_calls=run.tool_calls,
             tool_failures=run.tool_failures,
+            tool_stats=tool_stats,
+            turns=run.turns,
         )
 
     def _tokenize(self, prompts: list, tools: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
