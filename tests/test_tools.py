@@ -735,8 +735,9 @@ def test_a_timed_out_standalone_tool_is_counted_and_named(monkeypatch, caplog):
 
 
 def test_after_a_timeout_the_rest_of_the_turn_and_the_episodes_next_calls_wait_for_the_hung_call():
-    """A turn [hang, record]: `hang` times out and `record` never runs; the episode's next turn, while `hang` still
-    runs, runs nothing either; once it has returned, the next turn runs."""
+    """A turn [hang, record]: `hang` times out and `record` never runs; the episode's next turns, while `hang` still
+    runs, run nothing either (the second one too, though the turn before it ran nothing); once it has returned, the
+    next turn runs."""
     release, ran = threading.Event(), []
 
     def hang(x: int) -> int:
@@ -763,14 +764,17 @@ def test_after_a_timeout_the_rest_of_the_turn_and_the_episodes_next_calls_wait_f
         second = caller.submit([call_of("record", x=3)], tools, after=first)
         (blocked,), _ = finish(second)
         assert "the earlier call of 'hang' in this episode timed out and is still running" in blocked["content"]
+        third = caller.submit([call_of("record", x=4)], tools, after=second)  # still behind `hang`
+        (blocked,), _ = finish(third)
+        assert "the earlier call of 'hang' in this episode timed out and is still running" in blocked["content"]
     finally:
         release.set()
     while first.still_running():
         time.sleep(0.01)
-    (ok,), failures = finish(caller.submit([call_of("record", x=4)], tools, after=second))
-    assert ok["content"] == "4" and failures == 0 and ran == [4]
+    (ok,), failures = finish(caller.submit([call_of("record", x=5)], tools, after=third))
+    assert ok["content"] == "5" and failures == 0 and ran == [5]
     assert (stats["hang"].calls, stats["hang"].timeouts) == (1, 1)
-    assert (stats["record"].calls, stats["record"].failures) == (3, 2)
+    assert (stats["record"].calls, stats["record"].failures) == (4, 3)
 
 
 # ---- cancellation: a tool's CancelledError is its failed call -------------------------------------------------------

@@ -14,6 +14,11 @@ An environment is a class whose instances a factory (the class itself, or any ca
 `environment_factory` is one factory (every row uses it) or a dict name -> factory, each row naming its own in an
 `environment` column. Instances are made once and reused: each rollout hands out the instances of the pool in order
 and makes new ones only when a batch needs more at once than exist ("construct once, reset often", as TRL).
+
+An instance one of whose methods timed out (`tool_timeout`) is retired after its rollout (`retire`): it is never
+handed out or reset again, and the next rollout makes a new one in its place, since the timed-out call may still be
+running and would write into whatever episode the instance served next. Its own episode keeps it to the end: that
+episode's later calls are not run while the timed-out one runs (`tools`), and its `get_reward` still reads it.
 """
 
 from __future__ import annotations

@@ -28,13 +28,14 @@ streams: `loop` (`decode_turns`) and `generate`/`generate_static` (a logits proc
 `sampling.DrawFromStreams`); the others (`cuda_graph`, vLLM) still draw from their own generators. Rows of different
 processes have different streams.
 
-Scheduling: tools of different episodes run at the same time, and no episode waits for the slowest. With an engine
-that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as soon as it ends and the
-episode's next turn joins the decoding batch at the next token step once they have returned; decoding ends only when
-no tool call is in flight and no episode is ready (an episode whose reply is rolled back does not end the others).
-With the other engines (`run`), the turns of every episode ready to sample are sampled in one engine call; the runner
-then waits only until *some* tool calls have returned and samples those episodes' next turns, so a slow tool holds
-back its own episode and not the batch. Finished episodes leave the batch.
+Scheduling: an episode's calls run one after another in call order (a turn's calls in the order the model wrote them,
+the next turn's after them: `tools`); tools of different episodes run at the same time, and no episode waits for the
+slowest. With an engine that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as
+soon as it ends and the episode's next turn joins the decoding batch at the next token step once they have returned;
+decoding ends only when no tool call is in flight and no episode is ready (an episode whose reply is rolled back does
+not end the others). With the other engines (`run`), the turns of every episode ready to sample are sampled in one
+engine call; the runner then waits only until *some* tool calls have returned and samples those episodes' next turns,
+so a slow tool holds back its own episode and not the batch. Finished episodes leave the batch.
 
 Images (a VLM, `processor` given): a tool may answer with content parts holding images (`{"type": "image", "image":
 PIL image}`, as in TRL). The processor renders such a reply (`rollout.vision.tool_reply_inputs`): its image tokens
@@ -42,6 +43,11 @@ are in the reply's ids, and its image inputs join the episode's (`Episodes.image
 row, the replies' images in order), which every later turn's generation and the training forwards take. The joining
 decoder (`run_joining`) prefills text only: an episode whose replies brought images goes on, once it is done, with one
 engine call per round of ready turns, as in `run`, whose engines take images (`RolloutEngine.takes_images`).
+
+Timeouts and failures (`tools`): a failed, timed-out or cancelled call is an error reply the model reads in its next
+turn, never the rollout's end. `Episodes.timed_out_owners` names the environment instances whose calls timed out, for
+the sampler to retire from their pool. `Episodes.tool_stats` and `turns` carry what the calls did and the model's
+turns per episode, for the metrics.
 """
 
 from __future__ import annotations

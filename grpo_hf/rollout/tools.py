@@ -2,12 +2,34 @@
 
 A tool is a plain function, sync or `async def`, described to the model by the chat template (`apply_chat_template(
 tools=[...])` builds each schema from the type hints and the docstring). The model asks for one or more calls in its
-turn; `ToolCaller` runs every call of every episode at once (each sync call in a daemon thread of its own, async ones
-on the process's event loop, `grpo_hf.background`), each with `timeout` seconds (None: no limit), and gives back one
-tool message per call. A call that raises, names an unknown tool, passes arguments the function does not take, or
-runs out of time becomes the tool message `{"error": "..."}` and counts as a failure: it never stops training. A
-timed-out sync call cannot be killed: its thread runs on, its result dropped; being a daemon thread of its own, it
-holds up neither later calls nor the interpreter's exit.
+turn; `ToolCaller` runs them and gives back one tool message per call, in call order.
+
+What runs in order, what runs at once:
+- one turn's calls run one after another, in the order the model wrote them, each starting when the one before has
+  returned: two calls on one environment never race. (TRL runs a turn's sync calls so, and gathers its async ones at
+  once after them.) They run in a daemon thread of the turn's own; an async call runs on the process's event loop
+  (`grpo_hf.background`) while that thread waits for it;
+- an episode's next turn is sampled only once its calls are done, so all of an episode's calls are in order;
+- the calls of different episodes run at the same time, and no episode waits for another's tools.
+
+Failures: a call that raises (anything short of KeyboardInterrupt and SystemExit: `asyncio.CancelledError` included,
+from a sync or an async tool), names an unknown tool, passes arguments the function does not take, times out or is not
+run becomes the tool message `{"error": "..."}` and counts as a failure: it never stops training. KeyboardInterrupt
+and SystemExit from a tool stop the run.
+
+Timeouts (`timeout` seconds per call, None: no limit; a call's clock starts when it is due: its turn was asked, or the
+call before it returned). The first call to overrun them times out and the turn ends there: the calls after it are
+not run. A timed-out async call is cancelled. A timed-out sync call cannot be killed: its thread runs on, its result
+dropped, and being a daemon thread it holds up neither later turns nor the interpreter's exit. What it leaves behind:
+- its thread, counted (`ToolCaller.hung_calls`) until the call returns; past `MAX_HUNG_CALLS` of them a warning names
+  their tools;
+- its episode's later calls are not run while it still runs (each an error reply), so none races it;
+- `ToolCalls.timed_out_tools`: the episode runner hands the owners of timed-out bound methods (environment instances)
+  back, and `environments.Environments.retire` takes them out of the pool for good, so a late write can never land on
+  an instance another episode has been given. A timed-out plain function has nothing to retire: it is counted only.
+
+`ToolStats`: per tool, its calls, failures, timeouts and the wall time of the calls that ran to their end: the run's
+`tools/<name>/...` metrics.
 
 Parsing the model's turn and the chat template's rules for tools come from TRL (`trl.chat_template_utils`): a template
 must render a whole tool exchange (`supports_tool_calling`), the tokenizer needs a response template to parse tool
@@ -169,8 +191,15 @@ class ToolCalls:
     call to overrun them abandons the turn (`done`): it times out, the calls after it are not run, and an async one is
     cancelled. Every field is guarded by the caller's condition `changed`, notified whenever a call ends."""
 
-    def __init__(self, calls: list[_Call], timeout: float | None, changed: threading.Condition, hung: _HungCalls):
-        self.calls, self.timeout, self._changed, self._hung = calls, timeout, changed, hung
+    def __init__(
+        self,
+        calls: list[_Call],
+        timeout: float | None,
+        changed: threading.Condition,
+        hung: _HungCalls,
+        behind: ToolCalls | None = None,  # the episode's turn whose timed-out call still runs: nothing here runs
+    ):
+        self.calls, self.timeout, self._changed, self._hung, self.behind = calls, timeout, changed, hung, behind
         self.due = time.monotonic()  # when the first call not ended became due
         self.abandoned = False
         self.running: _Call | None = None  # the call in the thread right now
@@ -199,9 +228,12 @@ class ToolCalls:
             return self.due + self.timeout
 
     def still_running(self) -> str | None:
-        """The name of this turn's timed-out call while its thread still runs it, else None."""
+        """The name of the episode's timed-out call that still runs in its thread, this turn's or the one it was
+        not run behind; else None."""
         with self._changed:
-            return self.running.name if self.abandoned and self.running is not None else None
+            if self.abandoned and self.running is not None:
+                return self.running.name
+        return self.behind.still_running() if self.behind is not None else None
 
     def timed_out_tools(self) -> list[Callable]:
         return [call.tool for call in self.calls if call.timed_out and call.tool is not None]
@@ -341,7 +373,7 @@ class ToolCaller:
             else:
                 error = _check_arguments(tools[name], arguments)
             calls.append(_Call(name, None if error else tools[name], arguments, error))
-        return ToolCalls(calls, self.timeout, self.changed, self.hung)
+        return ToolCalls(calls, self.timeout, self.changed, self.hung, behind=after if blocked is not None else None)
 
     def wait_any(self, in_flight: list[ToolCalls]) -> None:
         """Block until at least one of `in_flight` is done (all its calls ended, or one overran its timeout)."""
