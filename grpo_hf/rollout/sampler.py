@@ -28,7 +28,7 @@ from grpo_hf.rollout.batching import Sequences
 from grpo_hf.rollout.custom import rollout_from_func
 from grpo_hf.rollout.engine import RolloutEngine, make_engine
 from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
-from grpo_hf.rollout.episodes import EpisodeRunner
+from grpo_hf.rollout.episodes import EpisodeRunner, Episodes
 from grpo_hf.rollout.lora_decode import LoraDecode
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
 from grpo_hf.rollout.tools import ToolStats, tool_chat_template
@@ -223,7 +223,12 @@ class Sampler:
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
-        if self.environments is not None:  # a timed-out call may still be running on its instance: never reused
+        return self._from_episodes(run, prompts, prompt_ids, prompt_mask, is_prompt_truncated)
+
+    def _from_episodes(self, run: Episodes, prompts: list, prompt_ids, prompt_mask, is_prompt_truncated) -> Sampled:
+        """The rows of a run of episodes; the environment instances whose calls timed out leave their pool (a hung
+        call may still be running on one: it must never be reset for another episode)."""
+        if self.environments is not None:
             self.environments.retire(run.timed_out_owners)
         tool_stats = {name: run.tool_stats.get(name, ToolStats()) for name in self.tool_names}  # unknown names: out
         tokens = Sequences(
