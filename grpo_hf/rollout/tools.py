@@ -177,7 +177,7 @@ class _Call:
     outcome: tuple[bool, Any] | None = None  # once it ended: (True, what it returned) or (False, what it raised)
     seconds: float = 0.0  # how long it ran
     timed_out: bool = False
-    task: futures.Future | None = None  # an async call's coroutine on the event loop, while it runs
+    task: futures.Future | None = None  # an async call's coroutine on the event loop, once started (cancellable)
 
     @property
     def ended(self) -> bool:
