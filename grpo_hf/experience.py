@@ -267,6 +267,7 @@ class ExperienceMaker:
                 metrics[f"rewards/{name}/errors"].append(float(sum_over_processes(accelerator, errors.get(name, 0))))
         self.metrics.add_logged(metrics, logs.metrics, accelerator)
         self._record_lengths(metrics, sampled)
+        self._record_tools(metrics, sampled)
         extra = [{column: values[i] for column, values in logs.extra.items()} for i in range(len(prompts))]
         if self.is_vlm and self.args.log_completions and self.args.log_multimodal:
             for i, row in enumerate(extra):  # log_multimodal: each row's images go to the completions log
@@ -299,6 +300,27 @@ class ExperienceMaker:
             failures = sum_over_processes(accelerator, sampled.tool_failures)
             metrics["tools/call_frequency"].append(calls / float_lengths.numel())
             metrics["tools/failure_frequency"].append(failures / calls if calls else 0.0)
+
+    def _record_tools(self, metrics, sampled: Sampled) -> None:
+        """With tools, per tool of the run: `tools/<name>/calls`, `/failures`, `/timeouts` (summed over the processes'
+        episodes) and `/latency_mean` (seconds per call that ran to its end; logged once one has), and
+        `tools/turns_mean` (the model's turns per episode)."""
+        if sampled.tool_stats is None:
+            return
+        names = list(sampled.tool_stats)  # every tool of the run, in the same order on every process
+        rows = [[s.calls, s.failures, s.timeouts, s.returned, s.seconds] for s in sampled.tool_stats.values()]
+        rows.append([sum(sampled.turns), len(sampled.turns), 0, 0, 0])
+        stats = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)  # [tools + 1, 5]
+        if self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats, "sum")
+        *per_tool, (turns, episodes, *_) = stats.tolist()
+        for name, (calls, failures, timeouts, returned, seconds) in zip(names, per_tool, strict=True):
+            metrics[f"tools/{name}/calls"].append(calls)
+            metrics[f"tools/{name}/failures"].append(failures)
+            metrics[f"tools/{name}/timeouts"].append(timeouts)
+            if returned:
+                metrics[f"tools/{name}/latency_mean"].append(seconds / returned)
+        metrics["tools/turns_mean"].append(turns / episodes)
 
     def pad_multiple(self) -> int | None:
         """`pad_to_multiple_of`, with "auto" resolved as TRL resolves it: 128 on Neuron, no padding elsewhere."""

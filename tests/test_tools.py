@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.core import SamplingCorrection
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.rollout import RolloutEngine, register_engine
+from grpo_hf.rollout import tools as tools_module
 from grpo_hf.rollout.batching import pad_token_lists
 from grpo_hf.rollout.tools import ToolCaller, tool_reply_ids
 
@@ -492,6 +495,405 @@ def test_a_tool_call_that_takes_too_long_becomes_an_error(tmp_path):
         release.set()
     assert replies == [{"error": "tool 'hang' timed out after 0.2 seconds"}] * 4
     assert trainer._metrics["train"]["tools/failure_frequency"] == [1.0]
+
+
+def calls_turn(*calls: str) -> str:
+    """A turn that makes several calls, in order."""
+    return "\n".join(c.removesuffix("<|im_end|>") for c in calls) + "<|im_end|>"
+
+
+class Gate:
+    """Holds every call that enters it until released, as a service that answers requests one at a time: once each
+    of the `episodes` still calling has a call waiting (or `patience` seconds pass: then `stalled`), one waiting call,
+    drawn by a seeded generator, is released after a latency drawn by it; and so on until `total` calls went through.
+    Records ("start" | "end", episode, note) events and the most episodes that waited at once."""
+
+    def __init__(self, seed: int, episodes: int, calls_each: int, patience: float = 10.0):
+        self.rng, self.episodes, self.calls_each, self.patience = random.Random(seed), episodes, calls_each, patience
+        self.changed = threading.Condition()
+        self.waiting: list[tuple[object, int]] = []  # (ticket, episode)
+        self.events: list[tuple[str, int, str]] = []
+        self.widest, self.stalled = 0, False
+        self.thread = threading.Thread(target=self._release_all, daemon=True)
+
+    def wait(self, episode: int, note: str) -> None:
+        with self.changed:
+            ticket = object()
+            self.events.append(("start", episode, note))
+            self.waiting.append((ticket, episode))
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: all(t is not ticket for t, _ in self.waiting), timeout=2 * self.patience)
+            self.events.append(("end", episode, note))
+            self.changed.notify_all()
+
+    def _calling(self) -> int:
+        ended: dict[int, int] = {}
+        for kind, episode, _ in self.events:
+            ended[episode] = ended.get(episode, 0) + (kind == "end")
+        return self.episodes - sum(n == self.calls_each for n in ended.values())
+
+    def _release_all(self) -> None:
+        for _ in range(self.episodes * self.calls_each):
+            with self.changed:
+                if not self.changed.wait_for(lambda: len(self.waiting) >= self._calling(), timeout=self.patience):
+                    self.stalled = True
+                if not self.waiting:
+                    return
+                self.widest = max(self.widest, len({episode for _, episode in self.waiting}))
+                pick = self.rng.randrange(len(self.waiting))
+            time.sleep(self.rng.uniform(0.001, 0.01))  # the service's latency for this request
+            with self.changed:
+                self.waiting.pop(pick)
+                self.changed.notify_all()
+
+
+class Ledger:
+    """A stateful environment whose tool reads its balance, waits on the test's `Gate`, then writes balance + 1."""
+
+    gate: Gate | None = None
+
+    def reset(self, **row):
+        self.balance = 0
+
+    def deposit(self, note: str) -> int:
+        """Deposit one unit.
+
+        Args:
+            note: A label for the deposit.
+        """
+        seen = self.balance
+        Ledger.gate.wait(id(self), note)
+        self.balance = seen + 1
+        return self.balance
+
+
+def ledger_rollout(tmp_path, seed: int):
+    """Four episodes, each depositing twice in one turn ("a" then "b") on its own `Ledger`; returns the instances
+    the rewards saw and the replies each episode read."""
+    tokenizer = tool_tokenizer()
+    Ledger.gate = gate = Gate(seed, episodes=4, calls_each=2)
+
+    def script(context, row):
+        if "<tool_response>" in context:
+            return "done<|im_end|>"
+        return calls_turn(call("deposit", note="a"), call("deposit", note="b"))
+
+    seen = {}
+
+    def reward(completions, environments, **_):
+        seen["environments"], seen["completions"] = environments, completions
+        return [0.0] * len(completions)
+
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, max_completion_length=400)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=reward, environment_factory=Ledger, args=config)
+    gate.thread.start()
+    one_rollout(trainer)
+    gate.thread.join(timeout=30)
+    return gate, seen
+
+
+def test_the_calls_of_one_turn_run_one_after_another_in_call_order(tmp_path):
+    """Two deposits in one turn on a ledger that reads, waits and writes: run in order they make 2 (at once, 1)."""
+    gate, seen = ledger_rollout(tmp_path, seed=0)
+    assert [ledger.balance for ledger in seen["environments"]] == [2, 2, 2, 2]
+    for ledger in seen["environments"]:
+        events = [(kind, note) for kind, who, note in gate.events if who == id(ledger)]
+        assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b")]
+    for completion in seen["completions"]:
+        assert [m["content"] for m in completion if m["role"] == "tool"] == ["1", "2"]  # the replies, in call order
+
+
+def test_the_calls_of_different_episodes_wait_at_the_same_time(tmp_path):
+    """The gate lets a call through only once every episode still calling has one waiting: the four episodes' calls
+    wait together (one after another, the gate would stall)."""
+    gate, _ = ledger_rollout(tmp_path, seed=1)
+    assert not gate.stalled and gate.widest == 4
+    starts = [k for k, (kind, _, note) in enumerate(gate.events) if kind == "start" and note == "a"]
+    first_end = next(k for k, (kind, _, _) in enumerate(gate.events) if kind == "end")
+    assert len(starts) == 4 and max(starts) < first_end  # every episode's first call began before any call ended
+
+
+# ---- timeouts: a hung call's environment is retired, hung threads are counted and named -----------------------------
+class Worker:
+    """An environment whose tool may hang until the test lets it go; it then writes to the instance, late."""
+
+    made = 0
+    release = threading.Event()
+    late_writes = threading.Semaphore(0)
+
+    def __init__(self):
+        Worker.made += 1
+        self.notes = []
+
+    def reset(self, **row):
+        self.notes = []
+
+    def work(self, hang: bool) -> str:
+        """Do some work.
+
+        Args:
+            hang: Whether to hang until released.
+        """
+        if hang:
+            Worker.release.wait(timeout=20)
+            self.notes.append("late")  # after the timeout: the instance must no longer be anyone's
+            Worker.late_writes.release()
+            return "late"
+        self.notes.append("work")
+        return "ok"
+
+
+def test_a_timed_out_call_retires_its_environment_and_its_late_write_lands_on_no_later_episode(
+    tmp_path, monkeypatch, caplog
+):
+    """Rollout 1: episodes 0 and 1 hang past tool_timeout, 2 and 3 return. Their instances leave the pool, two new
+    ones are made; the hung calls return during rollout 2 and write to their own (retired) instances only. With
+    MAX_HUNG_CALLS = 1, the two hung calls are named in a warning."""
+    monkeypatch.setattr(tools_module, "MAX_HUNG_CALLS", 1)
+    Worker.release, Worker.late_writes = threading.Event(), threading.Semaphore(0)
+    tokenizer = tool_tokenizer()
+    rollout = {"k": 1}
+
+    def script(context, row):
+        if "<tool_response>" in context:
+            return "done<|im_end|>"
+        if rollout["k"] == 2:
+            return call("work", hang=False)
+        return call("work", hang=row < 2)
+
+    seen = []
+
+    def reward(completions, environments, **_):
+        seen.append(list(environments))
+        return [0.0] * len(completions)
+
+    original_work = Worker.work
+
+    def work_releasing(self, hang: bool) -> str:
+        if rollout["k"] == 2 and not Worker.release.is_set():  # rollout 2's first call lets rollout 1's hung go
+            Worker.release.set()
+            for _ in range(2):
+                assert Worker.late_writes.acquire(timeout=20)
+        return original_work(self, hang)
+
+    work_releasing.__name__, work_releasing.__doc__ = "work", Worker.work.__doc__
+    monkeypatch.setattr(Worker, "work", work_releasing)
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, tool_timeout=1.0, max_completion_length=400)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=reward, environment_factory=Worker, args=config)
+    made = Worker.made
+    caller = trainer.experience.sampler.episodes.caller
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo_hf.rollout.tools"):
+            one_rollout(trainer)
+        assert caller.hung_calls == 2
+        rollout["k"] = 2
+        one_rollout(trainer)
+    finally:
+        Worker.release.set()
+    first, second = seen
+    hung, returned = first[:2], first[2:]
+    assert [w.notes for w in second] == [["work"]] * 4  # no late write on any instance of rollout 2
+    assert [w.notes for w in hung] == [["late"]] * 2  # the late writes landed on the retired instances
+    assert Worker.made == made + 3 + 2  # rollout 1: 3 beside the probe (4 at once); rollout 2: 2 for the retired
+    assert {id(w) for w in returned} <= {id(w) for w in second}  # the instances whose calls returned: reused
+    assert not {id(w) for w in hung} & {id(w) for w in second}  # the hung calls' instances were never handed out
+    assert trainer._metrics["train"]["tools/work/timeouts"] == [2.0, 0.0]
+    assert trainer._metrics["train"]["tools/work/failures"] == [2.0, 0.0]
+    (warning,) = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert warning.startswith("2 tool calls that timed out are still running in their threads ('work' x2)")
+    deadline = time.monotonic() + 10
+    while caller.hung_calls and time.monotonic() < deadline:  # their threads end once the calls return
+        time.sleep(0.01)
+    assert caller.hung_calls == 0
+
+
+def test_a_timed_out_standalone_tool_is_counted_and_named(monkeypatch, caplog):
+    """A plain function has no instance to retire; its hung thread is counted and named all the same."""
+    monkeypatch.setattr(tools_module, "MAX_HUNG_CALLS", 2)
+    release = threading.Event()
+
+    def stuck(x: int) -> int:
+        release.wait(timeout=20)
+        return x
+
+    caller = ToolCaller(timeout=0.05)
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo_hf.rollout.tools"):
+            turns = [caller.submit([call_of("stuck", x=k)], {"stuck": stuck}) for k in range(3)]
+            while not all(t.done(time.monotonic()) for t in turns):
+                caller.wait_any([t for t in turns if not t.done(time.monotonic())])
+            stats = {}
+            replies = [t.replies(stats)[0][0]["content"] for t in turns]
+        assert replies == [json.dumps({"error": "tool 'stuck' timed out after 0.05 seconds"})] * 3
+        assert caller.hung_calls == 3 and stats["stuck"].timeouts == 3 and stats["stuck"].returned == 0
+        (warning,) = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+        assert "('stuck' x3)" in warning
+    finally:
+        release.set()
+
+
+def test_after_a_timeout_the_rest_of_the_turn_and_the_episodes_next_calls_wait_for_the_hung_call():
+    """A turn [hang, record]: `hang` times out and `record` never runs; the episode's next turns, while `hang` still
+    runs, run nothing either (the second one too, though the turn before it ran nothing); once it has returned, the
+    next turn runs."""
+    release, ran = threading.Event(), []
+
+    def hang(x: int) -> int:
+        release.wait(timeout=20)
+        return x
+
+    def record(x: int) -> int:
+        ran.append(x)
+        return x
+
+    caller, tools = ToolCaller(timeout=0.5), {"hang": hang, "record": record}
+
+    def finish(turn):
+        caller.wait_any([turn])
+        return turn.replies(stats)
+
+    stats = {}
+    try:
+        first = caller.submit([call_of("hang", x=1), call_of("record", x=2)], tools)
+        (timed_out, not_run), failures = finish(first)
+        assert failures == 2 and json.loads(timed_out["content"])["error"].startswith("tool 'hang' timed out")
+        not_run_error = json.loads(not_run["content"])["error"]
+        assert not_run_error == "not run: the call of 'hang' before it in this turn timed out"
+        second = caller.submit([call_of("record", x=3)], tools, after=first)
+        (blocked,), _ = finish(second)
+        assert "the earlier call of 'hang' in this episode timed out and is still running" in blocked["content"]
+        third = caller.submit([call_of("record", x=4)], tools, after=second)  # still behind `hang`
+        (blocked,), _ = finish(third)
+        assert "the earlier call of 'hang' in this episode timed out and is still running" in blocked["content"]
+    finally:
+        release.set()
+    while first.still_running():
+        time.sleep(0.01)
+    (ok,), failures = finish(caller.submit([call_of("record", x=5)], tools, after=third))
+    assert ok["content"] == "5" and failures == 0 and ran == [5]
+    assert (stats["hang"].calls, stats["hang"].timeouts) == (1, 1)
+    assert (stats["record"].calls, stats["record"].failures) == (4, 3)
+
+
+# ---- cancellation: a tool's CancelledError is its failed call -------------------------------------------------------
+def cancelled_sync(x: int) -> int:
+    """Give up.
+
+    Args:
+        x: Any number.
+    """
+    raise asyncio.CancelledError("gave up")
+
+
+async def cancelled_async(x: int) -> int:
+    """Give up.
+
+    Args:
+        x: Any number.
+    """
+    await asyncio.sleep(0.01)
+    raise asyncio.CancelledError("gave up")
+
+
+async def cancelled_inner(x: int) -> int:
+    """Give up.
+
+    Args:
+        x: Any number.
+    """
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_later(0.01, task.cancel)
+    return await task  # the awaited task is cancelled: CancelledError leaves this coroutine
+
+
+@pytest.mark.parametrize("tool", [cancelled_sync, cancelled_async, cancelled_inner])
+def test_a_tool_that_raises_cancelled_error_is_a_failed_call(tmp_path, tool):
+    """Each episode's turn calls the cancelled tool, then `add`: the first is an error reply counted as a failure,
+    the second still runs, and the rollout goes on."""
+    tokenizer = tool_tokenizer()
+    replies = []
+
+    def script(context, row):
+        found = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
+        if found:
+            replies.append(found)
+            return "done<|im_end|>"
+        return calls_turn(call(tool.__name__, x=row), call("add", a=row, b=1))
+
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, max_completion_length=400)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[tool, add], args=config)
+    one_rollout(trainer)
+    assert len(replies) == 4
+    for cancelled, added in replies:
+        assert json.loads(cancelled)["error"].startswith("CancelledError") and added.isdigit()
+    metrics = trainer._metrics["train"]
+    assert metrics[f"tools/{tool.__name__}/failures"] == [4.0] and metrics["tools/add/failures"] == [0.0]
+    assert metrics["tools/failure_frequency"] == [0.5]
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_and_system_exit_from_a_tool_stop_the_run(tmp_path, error):
+    def stop(x: int) -> int:
+        """Stop.
+
+        Args:
+            x: Any number.
+        """
+        raise error()
+
+    tokenizer = tool_tokenizer()
+    scripted(lambda context, row: "done<|im_end|>" if "<tool_response>" in context else call("stop", x=1), tokenizer)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[stop])
+    with pytest.raises(error):
+        one_rollout(trainer)
+
+
+# ---- per-tool metrics -----------------------------------------------------------------------------------------------
+def test_per_tool_metrics_of_a_scripted_run(tmp_path, monkeypatch):
+    """Each call's latency is read on a clock of its own thread, which `nap` advances by its argument (drawn by a
+    seeded generator): the latency mean is exact. Episodes: [nap, nap] then answer; nap, then fail, then answer;
+    fail then answer; answer at once: 2, 3, 2 and 1 turns."""
+    clock = threading.local()
+    monkeypatch.setattr(tools_module, "time", SimpleNamespace(monotonic=lambda: getattr(clock, "now", 0.0)))
+
+    def nap(seconds: float) -> str:
+        """Nap.
+
+        Args:
+            seconds: How long.
+        """
+        clock.now = getattr(clock, "now", 0.0) + seconds
+        return "rested"
+
+    rng = random.Random(3)
+    naps = [round(rng.uniform(0.1, 2.0), 3) for _ in range(3)]
+    tokenizer = tool_tokenizer()
+
+    def script(context, row):
+        replies = context.count("<tool_response>")
+        if f'"seconds": {naps[2]}' in context and replies == 1:
+            return call("fail", reason="no")
+        if replies:
+            return "done<|im_end|>"
+        first = [calls_turn(call("nap", seconds=naps[0]), call("nap", seconds=naps[1])), call("nap", seconds=naps[2])]
+        return [*first, call("fail", reason="no"), "done<|im_end|>"][row]
+
+    scripted(script, tokenizer)
+    config = args_for(tmp_path, max_completion_length=400)
+    trainer = trainer_for(tmp_path, tokenizer, reward_funcs=zero, tools=[nap, fail, add], args=config)
+    one_rollout(trainer)
+    metrics = trainer._metrics["train"]
+    assert metrics["tools/nap/calls"] == [3.0] and metrics["tools/nap/failures"] == [0.0]
+    assert metrics["tools/nap/timeouts"] == [0.0]
+    assert metrics["tools/nap/latency_mean"] == [pytest.approx(sum(naps) / 3, abs=1e-12)]
+    assert metrics["tools/fail/calls"] == [2.0] and metrics["tools/fail/failures"] == [2.0]
+    assert metrics["tools/fail/latency_mean"] == [0.0]  # ran to its end (raising) at once
+    assert metrics["tools/add/calls"] == [0.0] and "tools/add/latency_mean" not in metrics  # never ran
+    assert metrics["tools/turns_mean"] == [2.0]
+    assert metrics["tools/call_frequency"] == [5 / 4] and metrics["tools/failure_frequency"] == [2 / 5]  # TRL's
 
 
 def test_tool_caller_checks_its_timeout():

@@ -15,6 +15,11 @@ An environment is a class whose instances a factory (the class itself, or any ca
 `environment_factory` is one factory (every row uses it) or a dict name -> factory, each row naming its own in an
 `environment` column. Instances are made once and reused: each rollout hands out the instances of the pool in order
 and makes new ones only when a batch needs more at once than exist ("construct once, reset often", as TRL).
+
+An instance one of whose methods timed out (`tool_timeout`) is retired after its rollout (`retire`): it is never
+handed out or reset again, and the next rollout makes a new one in its place, since the timed-out call may still be
+running and would write into whatever episode the instance served next. Its own episode keeps it to the end: that
+episode's later calls are not run while the timed-out one runs (`tools`), and its `get_reward` still reads it.
 """
 
 from __future__ import annotations
@@ -116,6 +121,17 @@ class Environments:
                 prompts[i] = _with_observation(prompts[i], observation)
             instances.append(instance)
         return prompts, instances, [self.schema_tools[name] for name in names]
+
+    def retire(self, instances: list[Any]) -> None:
+        """Take `instances` out of their pools for good (a call of theirs timed out and may still be running): the
+        next rollout that needs one more instance makes a new one."""
+        gone = {id(instance) for instance in instances}
+        for name, pool in self.pools.items():
+            self.pools[name] = [instance for instance in pool if id(instance) not in gone]
+
+    def tool_names(self) -> set[str]:
+        """The names of every environment's tools (the standalone tools included)."""
+        return {tool.__name__ for tools in self.schema_tools.values() for tool in tools}
 
     def row_tools(self, instances: list[Any], tools: list[Callable]) -> list[list[Callable]]:
         """The tools each episode calls: the standalone ones and its own instance's methods."""

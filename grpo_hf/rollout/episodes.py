@@ -28,13 +28,14 @@ streams: `loop` (`decode_turns`) and `generate`/`generate_static` (a logits proc
 `sampling.DrawFromStreams`); the others (`cuda_graph`, vLLM) still draw from their own generators. Rows of different
 processes have different streams.
 
-Scheduling: tools of different episodes run at the same time, and no episode waits for the slowest. With an engine
-that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as soon as it ends and the
-episode's next turn joins the decoding batch at the next token step once they have returned; decoding ends only when
-no tool call is in flight and no episode is ready (an episode whose reply is rolled back does not end the others).
-With the other engines (`run`), the turns of every episode ready to sample are sampled in one engine call; the runner
-then waits only until *some* tool calls have returned and samples those episodes' next turns, so a slow tool holds
-back its own episode and not the batch. Finished episodes leave the batch.
+Scheduling: an episode's calls run one after another in call order (a turn's calls in the order the model wrote them,
+the next turn's after them: `tools`); tools of different episodes run at the same time, and no episode waits for the
+slowest. With an engine that decodes turns as they come (`loop.decode_turns`, `run_joining`), a turn's tools start as
+soon as it ends and the episode's next turn joins the decoding batch at the next token step once they have returned;
+decoding ends only when no tool call is in flight and no episode is ready (an episode whose reply is rolled back does
+not end the others). With the other engines (`run`), the turns of every episode ready to sample are sampled in one
+engine call; the runner then waits only until *some* tool calls have returned and samples those episodes' next turns,
+so a slow tool holds back its own episode and not the batch. Finished episodes leave the batch.
 
 Images (a VLM, `processor` given): a tool may answer with content parts holding images (`{"type": "image", "image":
 PIL image}`, as in TRL). The processor renders such a reply (`rollout.vision.tool_reply_inputs`): its image tokens
@@ -42,10 +43,16 @@ are in the reply's ids, and its image inputs join the episode's (`Episodes.image
 row, the replies' images in order), which every later turn's generation and the training forwards take. The joining
 decoder (`run_joining`) prefills text only: an episode whose replies brought images goes on, once it is done, with one
 engine call per round of ready turns, as in `run`, whose engines take images (`RolloutEngine.takes_images`).
+
+Timeouts and failures (`tools`): a failed, timed-out or cancelled call is an error reply the model reads in its next
+turn, never the rollout's end. `Episodes.timed_out_owners` names the environment instances whose calls timed out, for
+the sampler to retire from their pool. `Episodes.tool_stats` and `turns` carry what the calls did and the model's
+turns per episode, for the metrics.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +62,7 @@ import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
 from grpo_hf.rollout.sampling import RowDraws, draw_seed
-from grpo_hf.rollout.tools import ToolCaller, ToolCalls, parse_turn, tool_reply_ids
+from grpo_hf.rollout.tools import ToolCaller, ToolCalls, ToolStats, parse_turn, tool_reply_ids
 from grpo_hf.rollout.vision import tool_reply_inputs
 from grpo_hf.vision import ImageRow, has_images, merge_rows
 
@@ -81,7 +88,10 @@ class Episodes:
     sampling_logps: torch.Tensor | None  # [B, T] the sampler's log-probs of sampled tokens, 0 elsewhere; None: none
     messages: list[list[dict[str, Any]]]  # [B] the episode as chat messages: assistant turns and tool replies
     tool_calls: int  # calls made, over the B episodes
-    tool_failures: int  # calls that failed (raised, unknown tool, bad arguments, timed out)
+    tool_failures: int  # calls that failed (raised, unknown tool, bad arguments, timed out, not run)
+    tool_stats: dict[str, ToolStats]  # per tool name called (known or not): its calls, failures, timeouts, latency
+    turns: list[int]  # [B] the model's turns in each episode
+    timed_out_owners: list[Any]  # the objects (environment instances) whose bound methods timed out, once each
     image_inputs: list[ImageRow | None] | None = None  # [B] the images of each episode's tool replies; None: none
 
 
@@ -101,6 +111,9 @@ class _Episode:
     calls: ToolCalls | None = None  # the calls in flight
     images: list[ImageRow] = field(default_factory=list)  # the image inputs of each tool reply with images
     image_row: ImageRow | None = None  # all of them merged (`vision.merge_rows`): what the model reads
+    last_calls: ToolCalls | None = None  # the calls of the previous round (a timed-out one may still run)
+    stats: dict[str, ToolStats] = field(default_factory=dict)  # per tool name: what its calls did
+    timed_out: list[Callable] = field(default_factory=list)  # the tools whose calls timed out
 
     @property
     def context(self) -> list[int]:
@@ -259,7 +272,7 @@ class EpisodeRunner:
         if not turn or turn[-1] not in self.eos_token_ids:  # the budget ran out mid-turn
             episode.truncated = True
         elif message.get("tool_calls") and (self.max_rounds is None or episode.rounds < self.max_rounds):
-            episode.calls = self.caller.submit(message["tool_calls"], episode.tools)
+            episode.calls = self.caller.submit(message["tool_calls"], episode.tools, after=episode.last_calls)
             return True
         return False
 
@@ -270,10 +283,11 @@ class EpisodeRunner:
             if not episode.calls.done(now):
                 waiting.append(episode)
                 continue
-            replies, failures = episode.calls.replies(self.caller.timeout)
+            replies, failures = episode.calls.replies(episode.stats)
             counts[0] += len(replies)
             counts[1] += failures
-            episode.calls, episode.rounds = None, episode.rounds + 1
+            episode.timed_out += episode.calls.timed_out_tools()
+            episode.last_calls, episode.calls, episode.rounds = episode.calls, None, episode.rounds + 1
             reply_ids, images = self._reply_inputs(replies)
             length = len(episode.ids) + len(reply_ids)
             if length > self.max_completion_length:  # rolled back (TRL): the episode ends on its calling turn's EOS
@@ -315,8 +329,25 @@ class EpisodeRunner:
             messages=[e.messages for e in episodes],
             tool_calls=tool_calls,
             tool_failures=tool_failures,
+            tool_stats=_summed([e.stats for e in episodes]),
+            turns=[sum(m.get("role") == "assistant" for m in e.messages) for e in episodes],
+            timed_out_owners=_owners([tool for e in episodes for tool in e.timed_out]),
             image_inputs=images if has_images(images) else None,
         )
+
+
+def _summed(stats: list[dict[str, ToolStats]]) -> dict[str, ToolStats]:
+    total: dict[str, ToolStats] = {}
+    for part in stats:
+        for name, tool in part.items():
+            total.setdefault(name, ToolStats()).add(tool)
+    return total
+
+
+def _owners(tools: list[Callable]) -> list[Any]:
+    """The objects `tools` are bound methods of (environment instances), once each; plain functions have none."""
+    owners = {id(tool.__self__): tool.__self__ for tool in tools if inspect.ismethod(tool)}
+    return list(owners.values())
 
 
 class _Turns:

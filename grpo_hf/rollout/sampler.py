@@ -30,10 +30,10 @@ from grpo_hf.rollout.batching import Sequences
 from grpo_hf.rollout.custom import rollout_from_func
 from grpo_hf.rollout.engine import RolloutEngine, make_engine
 from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
-from grpo_hf.rollout.episodes import EpisodeRunner
+from grpo_hf.rollout.episodes import EpisodeRunner, Episodes
 from grpo_hf.rollout.lora_decode import LoraDecode
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
-from grpo_hf.rollout.tools import tool_chat_template
+from grpo_hf.rollout.tools import ToolStats, tool_chat_template
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
 from grpo_hf.vision import has_images, image_token_ids, is_processor, tokenizer_of
 
@@ -85,6 +85,11 @@ class ToolSetup:
         """Each environment class's `get_reward`, as a reward function named after the class (weight 1)."""
         return [] if self.environments is None else self.environments.reward_funcs()
 
+    def tool_names(self) -> list[str]:
+        """Every tool's name, standalone and environments' (the per-tool metrics' names), sorted."""
+        names = {tool.__name__ for tool in self.tools}
+        return sorted(names | (self.environments.tool_names() if self.environments is not None else set()))
+
     def reward_columns(self) -> list[str]:
         """The keyword arguments the episodes add for the reward functions."""
         return ["environments"] if self.environments is not None else []
@@ -104,6 +109,8 @@ class Sampled:
     messages: list | None = None  # [B] each episode's chat messages (tool episodes); None: decode the ids
     tool_calls: int | None = None  # calls made over the B rows (tool episodes); None: no tools
     tool_failures: int = 0
+    tool_stats: dict[str, ToolStats] | None = None  # per tool of the run (every name, called or not); None: no tools
+    turns: list[int] | None = None  # [B] the model's turns in each episode (tool episodes)
 
 
 class Sampler:
@@ -124,6 +131,7 @@ class Sampler:
         self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
         self.wrapped, self.rollout_func = wrapped, rollout_func
         self.tools = agentic.tools if agentic is not None else []
+        self.tool_names = agentic.tool_names() if agentic is not None else []
         self.environments = agentic.environments if agentic is not None else None
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
@@ -211,7 +219,7 @@ class Sampler:
         with self.decoding() as (model, engine):
             generate = self._turn_sampler(model, engine)
             run = self.episodes.run(generate, tokens.prompt_ids, tokens.prompt_mask, row_tools, first_turns)
-        return self._episodes_sampled(tokens.prompt_ids, tokens.prompt_mask, not_cut, run, shown)
+        return self._from_episodes(run, shown, tokens.prompt_ids, tokens.prompt_mask, not_cut)
 
     def _turn_sampler(self, model, engine):
         """One engine call of the episode runner (`episodes.Generate`)."""
@@ -226,8 +234,12 @@ class Sampler:
 
         return generate
 
-    @staticmethod
-    def _episodes_sampled(prompt_ids, prompt_mask, is_prompt_truncated, run, prompts) -> Sampled:
+    def _from_episodes(self, run: Episodes, prompts: list, prompt_ids, prompt_mask, is_prompt_truncated) -> Sampled:
+        """The rows of a run of episodes; the environment instances whose calls timed out leave their pool (a hung
+        call may still be running on one: it must never be reset for another episode)."""
+        if self.environments is not None:
+            self.environments.retire(run.timed_out_owners)
+        tool_stats = {name: run.tool_stats.get(name, ToolStats()) for name in self.tool_names}  # unknown names: out
         tokens = Sequences(
             prompt_ids,
             prompt_mask,
@@ -245,6 +257,8 @@ class Sampler:
             messages=run.messages,
             tool_calls=run.tool_calls,
             tool_failures=run.tool_failures,
+            tool_stats=tool_stats,
+            turns=run.turns,
         )
 
     def _tokenize_images(self, prompts: list, columns: dict[str, list]) -> tuple[Tensor, Tensor, Tensor, list | None]:
@@ -284,7 +298,7 @@ class Sampler:
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
-        return self._episodes_sampled(prompt_ids, prompt_mask, is_prompt_truncated, run, prompts)
+        return self._from_episodes(run, prompts, prompt_ids, prompt_mask, is_prompt_truncated)
 
     def _tokenize(self, prompts: list, tools: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
         kwargs = self.template_kwargs if tools is not None else self.generation.chat_template_kwargs
