@@ -40,15 +40,7 @@ def test_a_given_peft_model_is_its_own_reference_frozen(tmp_path, tokenizer):
     )
     reference = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{REFERENCE_ADAPTER}." in n}
     assert reference and not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in reference)
-    batches = []
-    original = trainer.experience.train_batches
-    trainer.experience.train_batches = lambda rows: batches.append(original(rows)) or batches[-1]
-    trainer.train()
-    first = batches[0][0]
-    with torch.no_grad():
-        expected, _ = padded_logps(given, first)
-        with given.disable_adapter():
-            base_model_logps, _ = padded_logps(given, first)
+    first, expected, base_model_logps = train_and_score_first_batch(trainer, given)
     mask = first.completion_mask.bool()
     torch.testing.assert_close(first.ref_logps[mask], expected[mask], rtol=1e-5, atol=1e-5)
     assert (base_model_logps[mask] - expected[mask]).abs().max() > 1e-3  # the base model would be another reference
@@ -97,15 +89,7 @@ def test_a_moe_adapter_on_target_parameters_takes_trls_reference(
     args = tiny_run_args(tmp_path, TRAINING, max_steps=1, beta=0.1)
     with caplog.at_level("WARNING", logger="grpo_hf.peft_utils"):
         trainer = GRPOTrainer(model, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
-    batches = []
-    original = trainer.experience.train_batches
-    trainer.experience.train_batches = lambda rows: batches.append(original(rows)) or batches[-1]
-    trainer.train()
-    first = batches[0][0]
-    with torch.no_grad():
-        adapted, _ = padded_logps(given, first)
-        with given.disable_adapter():
-            base, _ = padded_logps(given, first)
+    first, adapted, base = train_and_score_first_batch(trainer, given)
     mask = first.completion_mask.bool()
     assert (base[mask] - adapted[mask]).abs().max() > 1e-3  # the two candidate references differ
     warned = any("target_parameters" in r.getMessage() for r in caplog.records)
@@ -297,3 +281,18 @@ def test_vespo_folds_the_token_level_vllm_correction_into_its_weight():
     )
     with pytest.raises(ValueError, match="use 'token_truncate' or 'token_mask'"):
         GRPOConfig(output_dir="unused", use_cpu=True, use_vllm=True, loss_type="vespo")
+
+
+def train_and_score_first_batch(trainer, given):
+    """Train, and return the first micro-batch with the log-probs of the PEFT model `given` (a copy of the model as
+    passed) on it, with its adapters and with them disabled."""
+    batches = []
+    original = trainer.experience.train_batches
+    trainer.experience.train_batches = lambda rows: batches.append(original(rows)) or batches[-1]
+    trainer.train()
+    first = batches[0][0]
+    with torch.no_grad():
+        adapted, _ = padded_logps(given, first)
+        with given.disable_adapter():
+            base, _ = padded_logps(given, first)
+    return first, adapted, base
