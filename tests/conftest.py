@@ -14,6 +14,24 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+
+def _inductor_cache_per_cpu_kernels() -> None:
+    """Give torch.compile's on-disk cache one folder per ATen CPU kernel set (`ATEN_CPU_CAPABILITY`, which
+    `tests/kernel_paths.py` and users vary): inductor picks its vector ISA from that setting but does not key its cache
+    on it, so a kernel compiled under one set is reused under another and can crash the process (seen here: the
+    cuda_graph engine's compile test segfaulted under `avx2` on an AVX-512 machine, reading kernels an unset run had
+    compiled, and passed with an empty cache). A folder the user chose (`TORCHINDUCTOR_CACHE_DIR`) is left alone;
+    inductor sets the variable to its default folder itself once imported (which the imports above may do)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return
+    kernels = os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{kernels.lower()}"
+
+
+_inductor_cache_per_cpu_kernels()
+
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
