@@ -722,8 +722,8 @@ def test_a_timed_out_standalone_tool_is_counted_and_named(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="grpo_hf.rollout.tools"):
             turns = [caller.submit([call_of("stuck", x=k)], {"stuck": stuck}) for k in range(3)]
-            while not all(t.done(time.monotonic()) for t in turns):
-                caller.wait_any([t for t in turns if not t.done(time.monotonic())])
+            while waiting := [t for t in turns if not t.done(time.monotonic())]:
+                caller.wait_any(waiting)
             stats = {}
             replies = [t.replies(stats)[0][0]["content"] for t in turns]
         assert replies == [json.dumps({"error": "tool 'stuck' timed out after 0.05 seconds"})] * 3
@@ -732,6 +732,15 @@ def test_a_timed_out_standalone_tool_is_counted_and_named(monkeypatch, caplog):
         assert "('stuck' x3)" in warning
     finally:
         release.set()
+
+
+def test_waiting_on_no_turn_returns_at_once():
+    """Nothing could wake a wait on no turn: the main suite once hung forever on a list of the turns not yet done that
+    came out empty because the last one timed out while it was built."""
+    waiter = threading.Thread(target=ToolCaller(timeout=0.05).wait_any, args=([],), daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
 
 
 def test_after_a_timeout_the_rest_of_the_turn_and_the_episodes_next_calls_wait_for_the_hung_call():

@@ -376,7 +376,10 @@ class ToolCaller:
         return ToolCalls(calls, self.timeout, self.changed, self.hung, behind=after if blocked is not None else None)
 
     def wait_any(self, in_flight: list[ToolCalls]) -> None:
-        """Block until at least one of `in_flight` is done (all its calls ended, or one overran its timeout)."""
+        """Block until at least one of `in_flight` is done (all its calls ended, or one overran its timeout); at once
+        when `in_flight` is empty (nothing could ever wake the wait)."""
+        if not in_flight:
+            return
         with self.changed:
             while True:
                 now = time.monotonic()
