@@ -208,6 +208,17 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         },
     )
 
+    # ---- asynchronous GRPO (docs/async.md) --------------------------------------------------------------------
+    max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "0: the policy samples, then trains, in turn (synchronous GRPO). s > 0: a producer thread samples "
+            "and scores the next generation batches while the trainer trains, with weights at most s optimizer "
+            "steps older than those the batch trains (generation of batch k starts once k - s steps are taken), "
+            "corrected as decoupled PPO (docs/async.md)."
+        },
+    )
+
     # ---- the GRPO objective -----------------------------------------------------------------------
     beta: float = field(
         default=0.04,
@@ -580,6 +591,11 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             )
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout={self.tool_timeout} must be > 0 seconds (or None for no limit).")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(
+                f"max_staleness={self.max_staleness!r} must be an int >= 0: how many optimizer steps older than the "
+                "trained policy the weights that sampled a batch may be (0: synchronous GRPO)."
+            )
 
     def _check_temperature(self) -> None:
         """temperature > 0, and a warning when it is so low that the groups and the log-probs degenerate."""
