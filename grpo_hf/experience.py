@@ -44,12 +44,28 @@ from grpo_hf.rollout.sampler import Generation, Sampled, Sampler
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images
 from grpo_hf.vision import encode_rows, is_processor, tokenizer_of
 
-__all__ = ["ExperienceMaker", "Generation", "Models", "RewardSet"]
+__all__ = ["ExperienceMaker", "Generation", "Models", "Produced", "RewardSet"]
 
 logger = logging.getLogger(__name__)
 
 # The fields of a `Rollout` that hold the whole generation batch, not this process's rows.
 _GLOBAL = ("all_rewards", "combined_rewards")
+
+
+@dataclass
+class Produced:
+    """This process's rows of one round, sampled and scored (`ExperienceMaker.produce`), before anything collective:
+    the rewards [B, R] (NaN = None), the completions' texts, the skipped rewards' error counts and what the reward
+    functions logged; `failure`: what the reward functions raised instead."""
+
+    prompts: list
+    columns: dict[str, list]
+    sampled: Sampled
+    rewards: Tensor | None = None
+    texts: list[str] | None = None
+    errors: dict[str, int] | None = None
+    logs: RewardLogs | None = None
+    failure: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -113,8 +129,26 @@ class ExperienceMaker:
     def train_batches(self, inputs: list[dict[str, Any]]) -> list[MicroBatch]:
         """One generation batch of this process's prompt rows -> its micro-batches, each with its old/ref log-probs
         and the completion token count `num_items_in_batch` of the optimizer step it belongs to (all processes)."""
+        return self.batches_of(self.rollout_round(inputs, self.args.num_generations, self.metrics["train"]))
+
+    def produced_batches(self, produced: Produced, staleness: int) -> list[MicroBatch]:
+        """`train_batches` of a generation batch the producer sampled and scored (`producer.Producer`), by weights
+        `staleness` optimizer steps older than the policy now. Stale rows keep the sampler's own log-probs: the
+        loss weighs them by pi_prox / pi_behaviour (decoupled PPO, `objective.sampling_weight`), pi_prox being the
+        policy now (the old log-probs' path); fresh ones (staleness 0) are exactly the synchronous run's rows."""
+        rollout = self.finish_round(produced, self.args.num_generations, self.metrics["train"])
+        if staleness == 0:
+            rollout.sampling_logps = None
+        elif rollout.sampling_logps is None:
+            raise RuntimeError(
+                f"A generation batch sampled {staleness} optimizer steps ago has no sampler log-probs (its rollout "
+                "engine did not record them), so its stale rows cannot be corrected. Please report this."
+            )
+        return self.batches_of(rollout)
+
+    def batches_of(self, rollout: Rollout) -> list[MicroBatch]:
+        """A scored training rollout -> its micro-batches (advantages, masks, old/ref log-probs, token counts)."""
         args, G = self.args, self.args.num_generations
-        rollout = self.rollout_round(inputs, G, self.metrics["train"])
         kept = None
         if args.dynamic_sampling:
             rollout, kept = self.keep_groups_with_signal(rollout, G)
@@ -245,18 +279,27 @@ class ExperienceMaker:
     # ---- one round: sample, score, gather ------------------------------------------------------------------------
     def rollout_round(self, inputs: list[dict[str, Any]], G: int, metrics: dict[str, list[float]]) -> Rollout:
         """Sample and score this process's rows; record the round's metrics into `metrics`."""
-        accelerator = self.accelerator
+        return self.finish_round(self.produce(inputs), G, metrics)
+
+    def produce(self, inputs: list[dict[str, Any]], sampler: Sampler | None = None) -> Produced:
+        """Sample and score this process's rows with `sampler` (None: the run's own), calling nothing collective: the
+        producer thread runs this (`grpo_hf.producer`), the main thread `finish_round`."""
         prompts = [row.get("prompt") for row in inputs]  # None: an environment's reset gives it
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         self.num_generate_calls += 1
-        sampled = self.sampler.sample(prompts, columns)  # may add columns (rollout_func's, `environments`)
+        sampled = (sampler or self.sampler).sample(prompts, columns)  # may add columns (rollout_func's, environments)
         prompts = sampled.prompts or prompts
-        failure = None
         try:
-            rewards, texts, errors, logs = self.score(prompts, columns, sampled)  # [B, R]
+            return Produced(prompts, columns, sampled, *self.score(prompts, columns, sampled))
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
-            failure = error
-        stop_together(failure, accelerator, "computing rewards")
+            return Produced(prompts, columns, sampled, failure=error)
+
+    def finish_round(self, produced: Produced, G: int, metrics: dict[str, list[float]]) -> Rollout:
+        """`produce`'s rows -> a `Rollout`: the rewards gathered over the processes and combined, the round's
+        metrics recorded into `metrics` (every process calls this for every round)."""
+        accelerator, prompts, columns, sampled = self.accelerator, produced.prompts, produced.columns, produced.sampled
+        stop_together(produced.failure, accelerator, "computing rewards")
+        rewards, texts, errors, logs = produced.rewards, produced.texts, produced.errors, produced.logs
         # Whole groups may straddle processes: gather, normalise over the full batch.
         all_rewards = accelerator.gather(rewards)  # [N, R]
         combined = combine_rewards(all_rewards, self.rewards.weights.to(accelerator.device))  # [N]

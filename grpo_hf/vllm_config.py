@@ -229,9 +229,11 @@ class VLLMArguments:
         return None
 
     def sampling_correction(self) -> SamplingCorrection | None:
-        """The settings of vLLM's importance-sampling correction (`core.SamplingCorrection`, checked when built), or
-        None when no correction applies (no vLLM, or `vllm_importance_sampling_correction=False`)."""
-        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+        """The settings of the importance-sampling correction (`core.SamplingCorrection`, checked when built): vLLM's,
+        and asynchronous GRPO's decoupled-PPO weight (`max_staleness` > 0, docs/async.md); None when no correction
+        applies (neither, or `vllm_importance_sampling_correction=False`)."""
+        sampler_differs = self.use_vllm or getattr(self, "max_staleness", 0) > 0
+        if not (sampler_differs and self.vllm_importance_sampling_correction):
             return None
         return SamplingCorrection(
             self.vllm_importance_sampling_mode,

@@ -16,6 +16,7 @@ sharded weights for it (ZeRO-3, FSDP2), has a LoRA policy's adapted layers decod
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ class Sampler:
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
+        self.record_logps = False  # the engine records the sampler's log-probs of its tokens (`sampling_logps`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
         if agentic is not None:
@@ -327,6 +329,13 @@ class Sampler:
             else "their beginning was dropped",
         )
 
+    def for_model(self, model: nn.Module) -> Sampler:
+        """A sampler like this one that decodes `model` (the async producer's copy of the weights, `grpo_hf.producer`)
+        with an engine of its own that records its log-probs: the same settings, tools and environments."""
+        other = copy.copy(self)
+        other.wrapped, other.engine, other.lora_decode, other.record_logps = (lambda: model), None, None, True
+        return other
+
     def _vocab_size(self) -> int:
         model = self.accelerator.unwrap_model(self.wrapped())
         embeddings = model.get_input_embeddings()
@@ -359,6 +368,7 @@ class Sampler:
                 blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
             )
             logger.info(why)
+            self.engine.record_logps = self.record_logps
             if is_peft_model(model) and self.engine.decodes_with_model:
                 merge = self.args.merge_lora_for_generation
                 self.lora_decode, why = LoraDecode.build(model, enabled=merge, sharded=self.generation.sharded)

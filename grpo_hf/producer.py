@@ -1,0 +1,382 @@
+"""Asynchronous GRPO (`max_staleness` > 0, docs/async.md): a producer thread samples and scores the next generation
+batches while the trainer trains, with weights at most `max_staleness` optimizer steps older than the policy that
+trains on them.
+
+The pieces, each in one class:
+
+- `WeightSnapshot`: the producer's own copy of the policy (the model's dtype, eval mode, no gradients). After each
+  optimizer step the main thread stages a copy of the new weights (`stage`); the producer loads the newest staged
+  weights before it starts a generation batch (`load`), so a batch is sampled by one version of the weights, and a
+  batch never sees weights change under it. Version = optimizer steps taken.
+- `Lookahead`: the dataloader's batches, read ahead of Trainer's loop (`Trainer.get_batch_samples`), so that the
+  producer gets the prompts of the next generation batches in the order the synchronous run reads them.
+- `Producer`: the thread. It takes generation batch k once its prompts were read and the policy has taken
+  `admit_at(k)` = (optimizer steps before batch k is trained) - `max_staleness` steps (admission control, AReaL's),
+  samples and scores it (`ExperienceMaker.produce`: nothing collective; the main thread gathers, computes the
+  advantages and the log-probs), and hands it over with the version that sampled it. No sample is ever dropped for
+  being stale: admission bounds the staleness instead.
+- `AsyncRollouts`: the trainer's side: reads ahead and submits, takes batch k (`train_batches`), checks and logs its
+  staleness (`async/staleness_mean`, `async/staleness_max`) and the fractions of wall time the trainer waited for
+  samples (`async/trainer_wait_fraction`) and the producer waited for admission (`async/producer_wait_fraction`),
+  publishes the weights after each optimizer step, pauses the producer for evaluation and stops it at the end.
+
+Faults: whatever the producer raises is raised on the main thread when the trainer takes that batch (training stops
+with it); a trainer that has waited `STALL_WARNING_SECONDS` for a batch warns, naming what the producer is doing;
+`close` (end of `train()`, an exception, Ctrl-C) stops the thread after the call it is in and drops its copy of the
+weights.
+
+Randomness: the producer samples from torch's global generator, as the synchronous run does. At `max_staleness` 0
+the producer and the trainer take turns, so the draws come in the synchronous run's order and the run is the
+synchronous run's, bit for bit (tests/test_async.py). At `max_staleness` > 0 the producer is the only one drawing
+while training runs (unless the model itself draws in training: dropout), so a seed gives one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# A trainer waiting this long for a generation batch warns, naming what the producer is doing (again each interval).
+STALL_WARNING_SECONDS = 300.0
+
+
+class WeightSnapshot:
+    """The producer's copy of `model` (unwrapped), at one version at a time: the main thread stages each version's
+    weights after the policy reaches it (`stage`), the producer loads the version a generation batch is sampled by
+    (`load`). `saved`: versions from a checkpoint (a resumed run), {version: tensors}."""
+
+    def __init__(self, model: nn.Module, version: int, on_load=None, saved: dict[int, list] | None = None):
+        self.source = model
+        self.model = copy.deepcopy(model)
+        self.model.requires_grad_(False)
+        for param in self.model.parameters():
+            param.grad = None
+        self.model.eval()
+        self.version = version
+        self.on_load = on_load  # told after each load (the producer's engine: `Sampler.weights_updated`)
+        self._lock = threading.Lock()
+        self._staged: dict[int, tuple[list[torch.Tensor], Any]] = {}  # version -> (its tensors, CUDA event or None)
+        if saved:
+            for saved_version, tensors in saved.items():
+                self._staged[saved_version] = ([t.to(self.model.device) for t in tensors], None)
+            oldest = min(saved)
+            self.version = oldest - 1  # so that `load(oldest)` takes the saved weights
+            self.load(oldest)
+
+    def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+
+    def stage(self, version: int) -> None:
+        """Main thread, once the policy reached `version`: a copy of its weights."""
+        with torch.no_grad():
+            tensors = [t.detach().clone() for t in self._tensors(self.source)]
+        ready = None
+        if tensors and tensors[0].is_cuda:  # the producer's stream waits for these copies
+            ready = torch.cuda.Event()
+            ready.record()
+        with self._lock:
+            self._staged[version] = (tensors, ready)
+
+    def load(self, version: int) -> int:
+        """Producer thread, before a generation batch: the weights of `version` into the copy (none older than the
+        copy's own: a run's first batches, whose versions precede the run, take the copy as it is); returns the
+        version the copy now holds. Staged versions before it are dropped."""
+        with self._lock:
+            if version > self.version:
+                tensors, ready = self._staged.pop(version)
+                if ready is not None:
+                    torch.cuda.current_stream().wait_event(ready)
+                with torch.no_grad():
+                    torch._foreach_copy_(self._tensors(self.model), tensors)
+                self.version = version
+                if self.on_load is not None:
+                    self.on_load(self.model)
+            for older in [v for v in self._staged if v < self.version]:
+                del self._staged[older]
+            return self.version
+
+    def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
+        """The weights of every version from `version` on that the copy holds or has staged, on the CPU (what a
+        checkpoint keeps for the batches not yet sampled)."""
+        with self._lock:
+            held = {v: tensors for v, (tensors, _) in self._staged.items() if v >= version}
+            if self.version >= version:
+                held[self.version] = self._tensors(self.model)
+            return {v: [t.detach().cpu().clone() for t in tensors] for v, tensors in sorted(held.items())}
+
+
+class Lookahead:
+    """The batches of Trainer's epoch iterator, read `ahead` batches beyond what Trainer asked for."""
+
+    def __init__(self):
+        self.iterator: Iterator | None = None
+        self.read: deque = deque()  # read from the iterator, not yet handed to Trainer
+
+    def take(self, iterator: Iterator, num_batches: int, ahead: int) -> tuple[list, list]:
+        """Trainer's `num_batches` next batches of `iterator` (fewer at the end of the epoch), and the batches read
+        beyond them (up to `ahead`)."""
+        if iterator is not self.iterator:  # a new epoch: what was read of the last one was past its end
+            self.iterator, self.read = iterator, deque()
+        while len(self.read) < num_batches + ahead:
+            try:
+                self.read.append(next(iterator))
+            except StopIteration:
+                break
+        batches = [self.read.popleft() for _ in range(min(num_batches, len(self.read)))]
+        return batches, list(self.read)
+
+
+@dataclass
+class _Handed:
+    produced: Any  # `experience.Produced`
+    version: int  # the weights' version that sampled it
+    admission_wait: float  # seconds the producer waited to be allowed to start it
+
+
+class Producer:
+    """The producer thread: generation batches in order, each once admitted (see the module docstring)."""
+
+    def __init__(self, produce: Callable[[list[dict]], Any], snapshot: WeightSnapshot, version: int, stream=None):
+        self.produce, self.snapshot, self.stream = produce, snapshot, stream
+        self._changed = threading.Condition()
+        # batch -> (its rows, the version it is sampled by and may start at, its seed or None: the global stream)
+        self._requests: dict[int, tuple[list[dict], int, int | None]] = {}
+        self._handed: dict[int, _Handed] = {}
+        self._version = version  # the policy's, published after each optimizer step
+        self._next: int | None = None  # the batch the producer takes next
+        self._error: tuple[int, BaseException] | None = None
+        self._closed = self._paused = self._busy = False
+        self.doing = "waiting for its first batch"  # for the stall warning
+        self._thread = threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)
+        self._thread.start()
+
+    # ---- the main thread -------------------------------------------------------------------------------------------
+    def submit(self, k: int, rows: list[dict], admit_at: int, seed: int | None) -> None:
+        """Generation batch k: its `rows`, sampled by the weights of version `admit_at` once the policy has reached
+        it, its random draws from `seed` (None: torch's global generator as it stands)."""
+        with self._changed:
+            if self._next is None:
+                self._next = k
+            self._requests[k] = (rows, admit_at, seed)
+            self._changed.notify_all()
+
+    def submitted(self, k: int) -> bool:
+        with self._changed:
+            return k in self._requests or k in self._handed or (self._next is not None and k < self._next)
+
+    def publish(self, version: int) -> None:
+        """The policy took its `version`-th optimizer step (its weights were staged first)."""
+        with self._changed:
+            self._version = version
+            self._changed.notify_all()
+
+    def take(self, k: int) -> _Handed:
+        """Batch k, once produced; what the producer raised instead is raised here."""
+        waited = 0.0
+        with self._changed:
+            while k not in self._handed:
+                if self._error is not None:
+                    at, error = self._error
+                    raise RuntimeError(f"The rollout producer failed on generation batch {at}: {error!r}") from error
+                if self._closed:
+                    raise RuntimeError("The rollout producer was stopped.")
+                start = time.monotonic()
+                self._changed.wait(STALL_WARNING_SECONDS)
+                waited += time.monotonic() - start
+                if k not in self._handed and self._error is None and waited >= STALL_WARNING_SECONDS:
+                    logger.warning(
+                        f"The trainer has waited {waited:.0f} s for generation batch {k}; the rollout producer is "
+                        f"{self.doing}. A tool, a reward function or the engine may hang."
+                    )
+                    waited = 0.0
+            return self._handed.pop(k)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No generation batch under way for the duration (evaluation samples with the run's own sampler)."""
+        with self._changed:
+            self._paused = True
+            while self._busy and self._error is None and not self._closed:
+                self._changed.wait()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._paused = False
+                self._changed.notify_all()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the call it is in, and drop the weights' copy."""
+        with self._changed:
+            self._closed = True
+            self._requests.clear()
+            self._handed.clear()
+            self._changed.notify_all()
+        self._thread.join(timeout)
+        self.snapshot = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the producer thread -----------------------------------------------------------------------------------
+    def _admitted(self) -> bool:
+        request = self._requests.get(self._next) if self._next is not None else None
+        return request is not None and self._version >= request[1] and not self._paused
+
+    def _run(self) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            while True:
+                with self._changed:
+                    start = time.monotonic()
+                    while not self._closed and not self._admitted():
+                        self.doing = f"waiting to be allowed to start generation batch {self._next}"
+                        self._changed.wait()
+                    if self._closed:
+                        return
+                    k, admission_wait = self._next, time.monotonic() - start
+                    rows, admit_at, seed = self._requests.pop(k)
+                    self._busy, self.doing = True, f"sampling and scoring generation batch {k}"
+                try:
+                    version = self.snapshot.load(admit_at)
+                    with _seeded(seed, self.stream):
+                        produced = self.produce(rows)
+                except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
+                    with self._changed:
+                        self._error, self._busy = (k, error), False
+                        self.doing = f"stopped by an error on generation batch {k}"
+                        self._changed.notify_all()
+                    return
+                with self._changed:
+                    self._handed[k] = _Handed(produced, version, admission_wait)
+                    self._next, self._busy = k + 1, False
+                    self._changed.notify_all()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, stream):
+    """torch's generators seeded with `seed` for the duration, and restored after (None: left as they are)."""
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if stream is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def batch_seed(seed: int, k: int, process_index: int) -> int:
+    """The seed of generation batch k on a process: a hash of the run's seed, k and the process, nothing else."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9 + process_index * 0x94D049BB133111EB) % 2**64
+    return mixed % 2**63
+
+
+def async_unsupported_reason(args, *, sharded: bool, rollout_func: bool) -> str | None:
+    """Why `max_staleness` > 0 cannot run with these settings, or None."""
+    if args.use_vllm:
+        return (
+            "vLLM holds its own copy of the weights, which the producer thread does not update yet: use grpo_hf's own "
+            "engines (rollout_engine='auto', 'loop', 'generate') with max_staleness > 0, or max_staleness=0 with vLLM"
+        )
+    if sharded:
+        return (
+            "under FSDP or DeepSpeed ZeRO-3 each process holds a shard of the weights, and the producer needs a whole "
+            "copy: use DDP or ZeRO-2 with max_staleness > 0, or max_staleness=0"
+        )
+    if rollout_func:
+        return "a rollout_func samples with the trainer's own model, not the producer's copy: use max_staleness=0"
+    if args.dynamic_sampling:
+        return "dynamic_sampling refills on the main thread: use max_staleness=0 with dynamic_sampling"
+    return None
+
+
+class AsyncRollouts:
+    """The trainer's side of asynchronous GRPO (see the module docstring). Built when training starts (after a
+    resumed run has loaded its weights, `version` being its optimizer steps; `saved`: the producer's weights its
+    checkpoint kept), closed when it ends."""
+
+    def __init__(self, args, accelerator, experience, make_sampler, model: nn.Module, version: int, saved=None):
+        self.args, self.accelerator, self.experience = args, accelerator, experience
+        self.per_batch = args.steps_per_generation * args.num_iterations  # micro-steps a generation batch serves
+        on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
+        self.snapshot = WeightSnapshot(model, version, on_load, saved)
+        self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
+        stream = torch.cuda.Stream() if accelerator.device.type == "cuda" else None
+        produce = lambda rows: experience.produce(rows, self.sampler)  # noqa: E731
+        self.producer = Producer(produce, self.snapshot, version, stream)
+        self.published = version
+        if saved and version not in saved:  # the policy's own weights, for the batches after the saved versions'
+            self.snapshot.stage(version)
+        self.lookahead = Lookahead()
+        self.last_take = time.monotonic()
+
+    def steps_before(self, k: int) -> int:
+        """Optimizer steps the policy has taken when it starts training on generation batch k."""
+        return k * self.per_batch // self.args.gradient_accumulation_steps
+
+    def read(self, iterator: Iterator, num_batches: int, micro_step: int, version: int) -> list:
+        """Trainer's next `num_batches` dataloader batches (micro-steps `micro_step`, ...), at the start of the
+        policy's optimizer step `version` + 1: the weights of `version` are published to the producer (here, once
+        the last step's checkpoint has saved the random state), and the generation batches among the batches and
+        those read ahead are submitted to it."""
+        if version > self.published:
+            self.snapshot.stage(version)
+            self.producer.publish(version)
+            self.published = version
+        s = self.args.max_staleness
+        batches, beyond = self.lookahead.take(iterator, num_batches, (s + 1) * self.per_batch)
+        for offset, rows in enumerate(batches + beyond):
+            m = micro_step + offset
+            if m % self.per_batch == 0 and not self.producer.submitted(k := m // self.per_batch):
+                seed = None if s == 0 else batch_seed(self.args.seed, k, self.accelerator.process_index)
+                self.producer.submit(k, rows, self.steps_before(k) - s, seed)
+        return batches
+
+    def train_batches(self, k: int, version: int, metrics) -> list:
+        """Generation batch k's micro-batches, for the policy at `version` (its optimizer steps)."""
+        start = time.monotonic()
+        handed = self.producer.take(k)
+        now = time.monotonic()
+        elapsed, waited, self.last_take = max(now - self.last_take, 1e-9), now - start, now
+        local = torch.tensor([float(version - handed.version)], device=self.accelerator.device)
+        stalenesses = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
+        staleness = int(stalenesses.max().item())
+        if staleness > self.args.max_staleness:  # admission control makes this impossible: a bug if it happens
+            raise RuntimeError(
+                f"Generation batch {k} was sampled {staleness} optimizer steps before the policy trains on it, more "
+                f"than max_staleness={self.args.max_staleness}. Please report this."
+            )
+        metrics["async/staleness_mean"].append(stalenesses.mean().item())
+        metrics["async/staleness_max"].append(float(staleness))
+        metrics["async/trainer_wait_fraction"].append(min(waited / elapsed, 1.0))
+        metrics["async/producer_wait_fraction"].append(min(handed.admission_wait / elapsed, 1.0))
+        return self.experience.produced_batches(handed.produced, staleness)
+
+    def saved_weights(self, micro_step: int) -> dict[int, list[torch.Tensor]]:
+        """For a checkpoint at `micro_step`: the producer's weights of each version the batches not yet sampled or
+        not yet trained on are sampled by (none at max_staleness 0: the policy's own)."""
+        if self.args.max_staleness == 0:
+            return {}
+        first = -(-micro_step // self.per_batch)  # the first generation batch not yet taken
+        return self.snapshot.versions_from(self.steps_before(first) - self.args.max_staleness)
+
+    def paused(self):
+        return self.producer.paused()
+
+    def close(self) -> None:
+        self.producer.close()
+        if self.sampler.engine is not None:
+            self.sampler.engine.close()
+        self.snapshot = self.sampler = None
