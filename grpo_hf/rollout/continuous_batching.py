@@ -5,10 +5,13 @@ one request per row; transformers schedules them over a paged KV cache, so a fin
 next request instead of decoding padding. It samples with the trainer's `GenerationConfig` (temperature, top_k,
 top_p, EOS ids, `max_new_tokens`). Its settings are transformers' `ContinuousBatchingConfig`, from
 `transformers_continuous_batching_config`, with `max_memory_percent` 0.5 unless given (TRL's default: the rest of the
-memory is the training step's). Its measured cost against `loop` on a CPU: docs/benchmarks.md.
+memory is the training step's). Its measured cost against `loop` on a CPU: docs/benchmarks.md. With `record_logps`,
+transformers returns each token's log-prob (`return_logprobs`: the log of the processed distribution at the token).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -22,6 +25,7 @@ class ContinuousBatchingEngine(RolloutEngine):
 
     name = "continuous_batching"
     options = ("args",)
+    can_record_logps = True
 
     def __init__(self, generation_config, eos_token_ids, args=None):
         super().__init__(generation_config, eos_token_ids)
@@ -39,10 +43,13 @@ class ContinuousBatchingEngine(RolloutEngine):
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]  # N lists
+        settings = self.continuous_batching_config
+        if self.record_logps:
+            settings = dataclasses.replace(settings, return_logprobs=True)
         outputs = model.generate_batch(
             prompts,
             generation_config=self.generation_config,
-            continuous_batching_config=self.continuous_batching_config,
+            continuous_batching_config=settings,
             progress_bar=False,
         )
         # Request ids are "req_<row>"; the dict is in the order requests finished.
@@ -55,7 +62,17 @@ class ContinuousBatchingEngine(RolloutEngine):
         width = max(len(output.generated_tokens) for output in by_row)
         pad = self.generation_config.pad_token_id
         completion_ids = torch.full((len(by_row), width), pad, dtype=torch.long, device=prompt_ids.device)  # [N, T]
+        logps = torch.zeros((len(by_row), width), dtype=torch.float32) if self.record_logps else None  # [N, T]
         for row, output in enumerate(by_row):
             tokens = output.generated_tokens
             completion_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if logps is not None:
+                if len(output.logprobs) != len(tokens):
+                    raise RuntimeError(
+                        f"generate_batch returned {len(output.logprobs)} log-probs for the {len(tokens)} tokens of "
+                        f"request {output.request_id} (return_logprobs=True)."
+                    )
+                logps[row, : len(tokens)] = torch.tensor(output.logprobs, dtype=torch.float32)
+        if logps is not None:
+            self.sampling_logps = logps.to(prompt_ids.device)
         return completion_ids

@@ -21,7 +21,10 @@ It samples what `model.generate` samples (the same processors, in the same order
   temperature, top-k, top-p, min-p); the draw takes its uniforms from `torch.rand` on the device (inductor is told
   to call it as eager does, `fallback_random`, rather than draw float32 and cast: the compiled step draws exactly
   what the eager one draws); a finished row emits pad; EOS goes into a device mask. Every tensor the step touches
-  lives in `DecodeState` and is updated in place, at a fixed address, so a captured graph replays it.
+  lives in `DecodeState` and is updated in place, at a fixed address, so a captured graph replays it. With
+  `record_logps`, the step also writes each drawn token's log-probability (the processed scores' log-softmax) into a
+  device buffer [N, T] of the state, at the token's column: in the graph, no sync; the buckets of a recording engine
+  are a family of their own.
 - The host asks "have all rows finished?" every `check_every` tokens, and reads the answer posted at the previous
   check (`_FinishedPoll`: a non-blocking copy to pinned memory plus an event), so it never waits for a running step.
   At most ~2 x `check_every` steps run after the last row finished; their tokens are pad and are cut off.
@@ -276,6 +279,7 @@ class DecodeState:
     column: torch.Tensor  # [1] the column of `completion_ids` the next draw goes to
     running_steps: torch.Tensor  # [1] draws made while some row was still running: the completion length
     eos_token_ids: torch.Tensor  # [E]
+    logps: torch.Tensor | None = None  # [N, T] float32: each drawn token's log-prob (None: not recorded)
 
 
 @dataclass
@@ -308,6 +312,8 @@ def draw(logits: torch.Tensor, state: DecodeState, settings: SamplingSettings) -
     state.running_steps.add_((~state.finished).any().long())
     state.finished.logical_or_(torch.isin(tokens, state.eos_token_ids))
     state.completion_ids.index_copy_(1, state.column, tokens[:, None])
+    if state.logps is not None:  # fixed per bucket: no branch in the graph
+        state.logps.index_copy_(1, state.column, torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]))
     state.column.add_(1)
     state.input_ids.copy_(tokens[:, None])
     if state.seen is not None:
@@ -380,6 +386,7 @@ class CUDAGraphEngine(RolloutEngine):
 
     name = "cuda_graph"
     options = ("compile", "autocast")
+    can_record_logps = True
     fixed_length = True  # one captured graph per length: a tool episode's shorter turns are cut, not recaptured
     prompt_bucket = 64
     check_every = 16
@@ -441,6 +448,8 @@ class CUDAGraphEngine(RolloutEngine):
                 step = self._compiled_step() if compiles and not bucket.eager else decode_step
                 self._decode(step, model, bucket, limit, cache_keyword(model))
         length = int(bucket.state.running_steps[0])  # the one sync that waits for the last step
+        if bucket.state.logps is not None:
+            self.sampling_logps = bucket.state.logps[: prompt_ids.size(0), :length].clone()  # [N, T]
         return bucket.state.completion_ids[: prompt_ids.size(0), :length].clone()  # [N, T]: the buffer is reused
 
     def _decode(self, step, model, bucket: _Bucket, limit: int, keyword: str) -> None:
@@ -531,7 +540,7 @@ class CUDAGraphEngine(RolloutEngine):
         T = self.generation_config.max_new_tokens
         heads, head_dim, value_dim = first.keys.size(1), first.keys.size(3), first.values.size(3)
         family = (T, vocab_size, len(prefill.layers), first.keys.device, heads, head_dim, value_dim)
-        family = (*family, first.keys.dtype, first.values.dtype, mask_dtype, settings)
+        family = (*family, first.keys.dtype, first.values.dtype, mask_dtype, settings, self.record_logps)
 
         def holds(rows: int, slots: int, n: int, p: int) -> bool:
             return slots >= p and (n <= rows <= self.max_row_padding * n if share_rows else rows == n)
@@ -542,13 +551,18 @@ class CUDAGraphEngine(RolloutEngine):
         prompt_slots = -(-P // self.prompt_bucket) * self.prompt_bucket
         for key in [key for key in self._buckets if key[0] == family and holds(N, prompt_slots, *key[1:])]:
             del self._buckets[key]
-        bucket = _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, self.eos_token_ids)
+        bucket = _new_bucket(
+            prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, self.eos_token_ids, self.record_logps
+        )
         self._buckets[(family, N, prompt_slots)] = bucket
         return bucket
 
 
-def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, eos_token_ids) -> _Bucket:
-    """The static cache (in the prefill's key and value dtypes, which differ under autocast) and decode state."""
+def _new_bucket(
+    prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, eos_token_ids, record_logps=False
+) -> _Bucket:
+    """The static cache (in the prefill's key and value dtypes, which differ under autocast) and decode state (with a
+    log-prob buffer when `record_logps`)."""
     device = prefill.layers[0].keys.device
     L = prompt_slots + T
     with_seen = settings.repetition_penalty != 1  # the repetition penalty's [N, V] mask
@@ -570,6 +584,7 @@ def _new_bucket(prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, e
         column=torch.zeros(1, dtype=torch.long, device=device),
         running_steps=torch.zeros(1, dtype=torch.long, device=device),
         eos_token_ids=torch.tensor(list(eos_token_ids), dtype=torch.long, device=device),
+        logps=torch.zeros((N, T), dtype=torch.float32, device=device) if record_logps else None,
     )
     _mark_static(*(getattr(state, name) for name in state.__dataclass_fields__))
     return _Bucket(prompt_slots, settings, Cache(layers=layers), state)
@@ -615,6 +630,8 @@ def _load_prompts(bucket: _Bucket, prompt_ids, prompt_mask, prefill: DynamicCach
     state.completion_ids.fill_(bucket.settings.pad_token_id)
     state.column.zero_()
     state.running_steps.zero_()
+    if state.logps is not None:
+        state.logps.zero_()
     if state.seen is not None:
         state.seen.copy_(prompt_seen_mask(prompt_ids, prompt_mask, state.seen.size(1)))
     return rows

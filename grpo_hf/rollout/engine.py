@@ -6,6 +6,12 @@ An engine turns prompt rows into sampled completions::
     completion_ids, completion_mask, is_truncated = engine.generate(model, prompt_ids, prompt_mask)
     engine.on_weights_updated(model)      # after each optimizer step (engines that keep state)
 
+With `engine.record_logps = True` (engines whose `can_record_logps`; `make_engine(record_logps=True)` picks one),
+each `generate` call also leaves `engine.sampling_logps` [N, T] float32, on the completion ids' device: the log of the
+probability each completion token was drawn with, after temperature, repetition penalty and truncation (top-k, top-p,
+min-p), 0 off the completion mask; the behaviour policy of an off-policy correction. Off (the default), it is None
+and the engines do no extra work: the tokens sampled are the same either way.
+
 Engines live in their own modules and are imported only when chosen (`ENGINES` maps a name to
 "module:Class"; `register_engine` adds one). Each engine says why it does not apply to a model and
 settings (`unsupported_reason`); `"auto"` walks a chain of engines and takes the first that applies:
@@ -54,11 +60,17 @@ class RolloutEngine:
     # True: `sample` runs the policy's own forward in this process, so a LoRA policy decodes through merged copies of
     # its adapted layers (`lora_decode`, applied by the `Sampler`); vLLM, which holds its own weights, sets False.
     decodes_with_model = True
+    # True: with `record_logps` on, `sample` sets `self.sampling_logps` [N, T] to the log-probs its tokens were drawn
+    # with (vLLM sets them on every call).
+    can_record_logps = False
 
     def __init__(self, generation_config, eos_token_ids: Sequence[int]):
         self.generation_config = generation_config
         self.eos_token_ids = list(eos_token_ids)
         self.blocked_token_ids: list[int] = []  # never sampled (a VLM's image tokens); engines that take images
+        # Set by the caller: record the sampler's log-probs of each call's tokens (`sampling_logps`).
+        self.record_logps = False
+        self.sampling_logps: torch.Tensor | None = None  # [N, T] float32 of the last call; None: not recorded
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
@@ -89,7 +101,15 @@ class RolloutEngine:
         None: the generation config's. `images`: each row's image inputs (`grpo_hf.vision.ImageRow`, None for a
         text-only row), given only to engines that take them (`takes_images`). `draws`: each row's random stream
         (`sampling.RowDraws`), for the engines that take them (`takes_draws`); the others draw from the global
-        generator."""
+        generator. With `record_logps`, the call's log-probs are left in `sampling_logps` (0 off the completion
+        mask)."""
+        if self.record_logps and not self.can_record_logps:
+            raise ValueError(
+                f"The {self.name!r} rollout engine does not record the sampler's log-probs, and record_logps=True "
+                "asks for them. Use an engine that does (loop, generate, generate_static, cuda_graph, "
+                "continuous_batching, vllm), or make_engine(..., record_logps=True), which skips those that do not."
+            )
+        self.sampling_logps = None
         was_training, config = model.training, self.generation_config
         if max_new_tokens is not None and max_new_tokens != config.max_new_tokens and not self.fixed_length:
             self.generation_config = copy.copy(config)
@@ -107,11 +127,27 @@ class RolloutEngine:
         if completion_ids.size(1) == 0:  # the model produced nothing at all
             N, device = prompt_ids.size(0), prompt_ids.device
             completion_ids = torch.full((N, 1), pad, dtype=torch.long, device=device)
+            if self.record_logps:
+                self.sampling_logps = torch.zeros((N, 1), dtype=torch.float32, device=device)
             return Completions(
                 completion_ids, torch.zeros_like(completion_ids), torch.ones(N, dtype=torch.bool, device=device)
             )
         mask, is_truncated = completion_mask(completion_ids, self.eos_token_ids)
+        if self.record_logps:
+            self._mask_logps(completion_ids, mask)
         return Completions(completion_ids.masked_fill(mask == 0, pad), mask, is_truncated)
+
+    def _mask_logps(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """`sampling_logps` as float32 on the ids' device, 0 off the completion mask; checked against the ids."""
+        logps = self.sampling_logps
+        if logps is None or logps.shape != completion_ids.shape:
+            raise RuntimeError(
+                f"The {self.name!r} rollout engine was asked to record its log-probs (record_logps) and left "
+                f"{None if logps is None else tuple(logps.shape)} for completions of shape "
+                f"{tuple(completion_ids.shape)}: its `sample` must set `self.sampling_logps` [N, T] when recording."
+            )
+        logps = logps.to(device=completion_ids.device, dtype=torch.float32)
+        self.sampling_logps = logps.masked_fill(mask == 0, 0.0)
 
 
 ENGINES: dict[str, str | type[RolloutEngine]] = {
@@ -150,6 +186,7 @@ def make_engine(
     sharded: bool = False,
     device: torch.device | None = None,
     blocked_token_ids: Sequence[int] = (),
+    record_logps: bool = False,
     **options,
 ) -> tuple[RolloutEngine, str]:
     """The engine to use, and one line saying which and why (for the log).
@@ -158,7 +195,8 @@ def make_engine(
     references to the weights between calls (`cuda_graph`). `options` go to the chosen engine's constructor
     when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
     `blocked_token_ids` (a vision-language model's image tokens) rule out engines that do not take images, and the
-    engine chosen never samples them.
+    engine chosen never samples them. `record_logps` rules out engines that cannot record the sampler's log-probs
+    (`can_record_logps`) and turns recording on in the one chosen.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     chain = _CHAINS["cuda" if device.type == "cuda" else "other"]
@@ -176,10 +214,13 @@ def make_engine(
             reason = "the weights are sharded (FSDP / ZeRO-3) and gathered anew for each rollout"
         if reason is None and blocked_token_ids and not cls.takes_images:
             reason = "it does not take images (a vision-language model)"
+        if reason is None and record_logps and not cls.can_record_logps:
+            reason = "it does not record the sampler's log-probs (record_logps=True)"
         if reason is None:
             accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
             engine = cls(generation_config, eos_token_ids, **accepted)
             engine.blocked_token_ids = list(blocked_token_ids)
+            engine.record_logps = record_logps
             why = f"rollout engine: {candidate}" + (f" (requested {name})" if name != candidate else "")
             if skipped:
                 why += "; skipped " + "; ".join(skipped)

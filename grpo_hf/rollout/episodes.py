@@ -193,12 +193,16 @@ class EpisodeRunner:
         prompt_mask: torch.Tensor,
         tools,
         generate: Generate | None = None,
+        record_logps: bool = False,
     ) -> Episodes:
         """`run` on an engine that decodes turns as they come (`decode(source)`, the `loop` engine's
         `decode_turns`): a turn whose tools have returned joins the decoding batch at the next token step, and a
         turn's tools start as soon as it ends. Episodes whose tool replies brought images go on afterwards by
-        `generate` (as in `run`): the joining decoder prefills text only."""
+        `generate` (as in `run`): the joining decoder prefills text only. `record_logps`: keep the log-probs the
+        decoder gives each turn (`_Turns.turn_done`) as the episodes' `sampling_logps` (and those of `generate`'s
+        calls, which must then give them); False: None, as the policy's own draw needs no correction."""
         episodes = self._start(prompt_ids, prompt_mask, tools)
+        self._has_logps = record_logps
         source = _Turns(self, episodes, draw_seed())
         with _forked_rng(prompt_ids.device):
             decode(source)
@@ -216,7 +220,6 @@ class EpisodeRunner:
                         "with them."
                     )
                 self._rounds(generate, [episodes[k] for k in source.held], source.counts, source.seed)
-        self._has_logps = False  # the engine's own draw: the policy's log-probs, nothing to correct
         return self._as_rows(episodes, prompt_ids.device, *source.counts)
 
     def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:

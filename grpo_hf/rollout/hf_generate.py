@@ -11,6 +11,9 @@ compile again, and past Dynamo's recompile limit generate's step runs uncompiled
 
 Given `draws` (tool episodes, `episodes.EpisodeRunner`), each row draws its tokens from its own random stream instead
 of the global generator (`sampling.DrawFromStreams`, a logits processor that draws and leaves `generate` one token).
+
+With `record_logps`, a logits processor placed before the draw (`sampling.RecordLogps`) applies the sampling warpers
+to a copy of the scores and keeps the log-prob of each drawn token (no `output_scores`: it holds one [N, V] row set).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from transformers import LogitsProcessorList, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
-from grpo_hf.rollout.sampling import DrawFromStreams, resolve_sampling_settings, streams_unsupported_reason
+from grpo_hf.rollout.sampling import (
+    DrawFromStreams,
+    RecordLogps,
+    resolve_sampling_settings,
+    streams_unsupported_reason,
+)
 from grpo_hf.vision import forward_kwargs
 
 
@@ -54,6 +62,7 @@ class GenerateEngine(RolloutEngine):
     name = "generate"
     takes_images = True
     takes_draws = True
+    can_record_logps = True
     cache_implementation: str | None = None  # None: the generation config's own
     cache_bucket = 64  # a static cache's length is rounded up to a multiple of this
 
@@ -64,9 +73,20 @@ class GenerateEngine(RolloutEngine):
         allow (`streams_unsupported_reason`; otherwise, and without `draws`, from the global generator)."""
         config = self.generation_config
         kwargs = forward_kwargs(model, prompt_ids, images)  # a VLM's image inputs, row by row
+        processors, record = LogitsProcessorList(), None
+        if self.record_logps:
+            reason = streams_unsupported_reason(model, config)
+            if reason is not None:
+                raise ValueError(
+                    f"The {self.name!r} engine cannot record the sampler's log-probs (record_logps) because {reason}; "
+                    "sample with temperature, top_k, top_p, min_p and repetition_penalty only."
+                )
+            record = RecordLogps(resolve_sampling_settings(model, config))
+            processors.append(record)  # before the draw: it reads the scores the draw takes
         if draws is not None and streams_unsupported_reason(model, config) is None:
-            draw = DrawFromStreams(resolve_sampling_settings(model, config), draws.to(prompt_ids.device))
-            kwargs["logits_processor"] = LogitsProcessorList([draw])
+            processors.append(DrawFromStreams(resolve_sampling_settings(model, config), draws.to(prompt_ids.device)))
+        if processors:
+            kwargs["logits_processor"] = processors
         if self.blocked_token_ids:
             config = copy.copy(config)
             config.suppress_tokens = [*(config.suppress_tokens or []), *self.blocked_token_ids]
@@ -78,7 +98,10 @@ class GenerateEngine(RolloutEngine):
         output = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
         )  # [N, P + T]
-        return output[:, prompt_ids.size(1) :]  # [N, T]
+        completion_ids = output[:, prompt_ids.size(1) :]  # [N, T]
+        if record is not None and completion_ids.size(1):
+            self.sampling_logps = record.logps(completion_ids)
+        return completion_ids
 
 
 class StaticGenerateEngine(GenerateEngine):

@@ -36,13 +36,18 @@ class LoopEngine(RolloutEngine):
 
     name = "loop"
     takes_images = True
+    can_record_logps = True
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
         return unsupported_reason(model, generation_config)
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
-        return sample_groups(
+        logps = None
+        if self.record_logps:
+            shape = (prompt_ids.size(0), self.generation_config.max_new_tokens)
+            logps = torch.zeros(shape, dtype=torch.float32, device=prompt_ids.device)  # [N, max_new_tokens]
+        completion_ids = sample_groups(
             model,
             prompt_ids,
             prompt_mask,
@@ -50,7 +55,11 @@ class LoopEngine(RolloutEngine):
             self.eos_token_ids,
             images=images,
             blocked_token_ids=self.blocked_token_ids,
-        )
+            logps=logps,
+        )  # [N, T]
+        if logps is not None:
+            self.sampling_logps = logps[:, : completion_ids.size(1)]
+        return completion_ids
 
     def decode_turns(self, model, source) -> None:
         """Tool episodes' turns, each joining the batch at the next token step (`decode_turns`), in eval mode."""
@@ -129,6 +138,7 @@ def sample_groups(
     eos_token_ids: Sequence[int],
     images=None,
     blocked_token_ids: Sequence[int] = (),
+    logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one completion per row, the prompt of each run of identical rows prefilled once.
 
@@ -141,6 +151,9 @@ def sample_groups(
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
     A VLM's rows' image inputs (`images`) go to the prefill; `blocked_token_ids` (image tokens) are never drawn.
+    `logps` [N, max_new_tokens] float32 (None: nothing recorded): each token's log-probability under the distribution
+    it was drawn from (the processed scores' log-softmax) is written at its row and column (after a row's EOS: the
+    pad's, for the caller to mask).
     Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
     """
     N, P = prompt_ids.shape
@@ -168,6 +181,8 @@ def sample_groups(
         # One uniform per original row and step, whichever rows are still in the batch.
         uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
         tokens = sample_categorical(torch.softmax(scores, dim=-1), uniform).masked_fill(finished, pad)  # [A]
+        if logps is not None:
+            logps[rows, t] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         sequences[rows, P + t] = tokens
         finished |= torch.isin(tokens, eos)
         if t == T - 1 or bool(finished.all()):

@@ -103,7 +103,8 @@ class Sampled:
     tokens: Sequences  # prompt [B, P] and completion [B, T] ids and masks (`context_mask`: tool replies)
     is_truncated: Tensor  # [B] bool
     is_prompt_truncated: Tensor  # [B] bool: left-truncated to max_prompt_length
-    sampling_logps: Tensor | None = None  # [B, T] the sampler's own log-probs (vLLM, rollout_func), 0 off the loss
+    # [B, T] the sampler's own log-probs (vLLM, rollout_func, any engine under `Sampler.record_logps`), 0 off the loss
+    sampling_logps: Tensor | None = None
     prompts: list | None = (
         None  # [B] the prompts as the model saw them (an environment's observation added); None: as given
     )
@@ -126,7 +127,11 @@ class Sampler:
         wrapped: Callable[[], nn.Module],  # -> the outermost model wrapper (Trainer re-wraps it when training starts)
         rollout_func: Callable[[list], dict] | None = None,  # TRL's `rollout_func`, its trainer argument bound
         agentic: ToolSetup | None = None,  # tools and environments: tool episodes
+        record_logps: bool = False,
     ):
+        """`record_logps`: every rollout's `Sampled.sampling_logps` holds the engine's log-probs of its tokens (the
+        engine is chosen among those that record them, `RolloutEngine.can_record_logps`); it may also be set later,
+        as the attribute of the same name, before or after the engine is built."""
         self.args, self.accelerator, self.generation = args, accelerator, generation
         # A VLM's processor tokenizes prompts with their images (`rollout.vision`); its tokenizer does the rest.
         self.processor, self.tokenizer = (tokenizer if is_processor(tokenizer) else None), tokenizer_of(tokenizer)
@@ -136,6 +141,7 @@ class Sampler:
         self.environments = agentic.environments if agentic is not None else None
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
+        self.record_logps = record_logps  # the engine records its log-probs (`RolloutEngine.record_logps`)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.record_logps = False  # the engine records the sampler's log-probs of its tokens (`sampling_logps`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
@@ -296,7 +302,12 @@ class Sampler:
             generate = self._turn_sampler(model, engine)
             if hasattr(engine, "decode_turns"):  # `loop`: turns join the decoding batch at the next token step
                 run = self.episodes.run_joining(
-                    lambda source: engine.decode_turns(model, source), prompt_ids, prompt_mask, row_tools, generate
+                    lambda source: engine.decode_turns(model, source),
+                    prompt_ids,
+                    prompt_mask,
+                    row_tools,
+                    generate,
+                    record_logps=engine.record_logps,
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
@@ -348,6 +359,7 @@ class Sampler:
         layers on their merged copies (`lora_decode`) for the duration."""
         with self.model_for_generation() as model:
             engine = self.engine_for(model)
+            engine.record_logps = self.record_logps
             with self.lora_decode.applied() if self.lora_decode is not None else contextlib.nullcontext():
                 yield model, engine
 
@@ -366,6 +378,7 @@ class Sampler:
                 accelerator=self.accelerator,
                 tokenizer=self.tokenizer,  # vllm's structured outputs
                 blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
+                record_logps=self.record_logps,  # an engine that records its log-probs
             )
             logger.info(why)
             self.engine.record_logps = self.record_logps
@@ -419,7 +432,8 @@ class Sampler:
 
 
 def _engine_logps(engine: RolloutEngine, completion_mask: Tensor) -> Tensor | None:
-    """The engine's log-probs [B, T] of its last call's tokens (vLLM), 0 off `completion_mask`; None: it has none."""
+    """The engine's log-probs [B, T] of its last call's tokens (vLLM; the others with `record_logps`), 0 off
+    `completion_mask`; None: it has none."""
     logps = getattr(engine, "sampling_logps", None)
     if logps is None or logps.shape != completion_mask.shape:
         return None

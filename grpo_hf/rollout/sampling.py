@@ -1,7 +1,7 @@
 """Sampling settings shared by the decoding engines: the logits processors `model.generate` applies, in
-its order, the settings an engine must resolve as `generate` does, an exact categorical draw, and per-row random
+its order, the settings an engine must resolve as `generate` does, an exact categorical draw, per-row random
 streams (`RowDraws`): counter-based uniforms, so that what a row samples does not depend on which batch, step or
-thread draws it.
+thread draws it, and `RecordLogps`, which records the log-probs `model.generate` drew its tokens with.
 """
 
 from __future__ import annotations
@@ -319,3 +319,35 @@ class DrawFromStreams(LogitsProcessor):
         dtype = torch.float32 if scores.device.type == "mps" else torch.float64
         tokens = sample_categorical(probs, self.draws.uniform(dtype))  # [A]
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+class RecordLogps(LogitsProcessor):
+    """Records the log-probability each token `model.generate` samples was drawn with; changes no score.
+
+    A caller's processor runs after `generate`'s own (repetition penalty, suppressed tokens) and before its sampling
+    warpers, so it sees the scores those warpers take. This one applies the same warpers (`sampling_warpers` of the
+    settings `resolve_sampling_settings` gives) to a copy, keeps the log-softmax [N, V] of the result (the
+    distribution `generate` draws from, or `DrawFromStreams`, which must come after it in the list), and reads the
+    token drawn from it at its next call, whose `input_ids` end with that token; `logps` reads the last one from the
+    completion. For the settings `streams_unsupported_reason` accepts."""
+
+    def __init__(self, generation_config):
+        self.warpers = sampling_warpers(generation_config)
+        self.columns: list[torch.Tensor] = []  # [N, 1] per token drawn and read back so far
+        self.pending: torch.Tensor | None = None  # [N, V] float32: the log-probs the last token was drawn from
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.columns.append(self.pending.gather(1, input_ids[:, -1:]))
+        self.pending = torch.log_softmax(self.warpers(input_ids, scores).float(), dim=-1)  # [N, V]
+        return scores
+
+    def logps(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """The log-probs [N, T] float32 of `completion_ids` [N, T], the tokens `generate` drew while this recorded."""
+        if self.pending is None or len(self.columns) + 1 != completion_ids.size(1):
+            raise RuntimeError(
+                f"RecordLogps saw {len(self.columns) + (self.pending is not None)} draws for a completion of "
+                f"{completion_ids.size(1)} tokens: it must record every step of one `generate` call."
+            )
+        last = self.pending.gather(1, completion_ids[:, -1:])  # [N, 1]
+        return torch.cat([*self.columns, last], dim=1)  # [N, T]

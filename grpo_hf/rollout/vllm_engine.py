@@ -54,6 +54,7 @@ class VLLMEngine(RolloutEngine):
     name = "vllm"
     options = ("args", "accelerator", "tokenizer")
     decodes_with_model = False  # vLLM decodes with its own copy of the weights, LoRA deltas merged at each push
+    can_record_logps = True  # every call leaves vLLM's log-probs of its tokens in `sampling_logps`
 
     def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None, tokenizer=None):
         super().__init__(generation_config, eos_token_ids)
