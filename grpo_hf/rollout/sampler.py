@@ -143,7 +143,6 @@ class Sampler:
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
         self.record_logps = record_logps  # the engine records its log-probs (`RolloutEngine.record_logps`)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
-        self.record_logps = False  # the engine records the sampler's log-probs of its tokens (`sampling_logps`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
         if agentic is not None:
@@ -381,7 +380,6 @@ class Sampler:
                 record_logps=self.record_logps,  # an engine that records its log-probs
             )
             logger.info(why)
-            self.engine.record_logps = self.record_logps
             if is_peft_model(model) and self.engine.decodes_with_model:
                 merge = self.args.merge_lora_for_generation
                 self.lora_decode, why = LoraDecode.build(model, enabled=merge, sharded=self.generation.sharded)
