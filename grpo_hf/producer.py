@@ -64,8 +64,7 @@ class WeightSnapshot:
         for param in self.model.parameters():
             param.grad = None
         self.model.eval()
-        self.version = version
-        self.on_load = on_load  # told after each load (the producer's engine: `Sampler.weights_updated`)
+        self.version, self.on_load = version, None
         self._lock = threading.Lock()
         self._staged: dict[int, tuple[list[torch.Tensor], Any]] = {}  # version -> (its tensors, CUDA event or None)
         if saved:
@@ -74,6 +73,7 @@ class WeightSnapshot:
             oldest = min(saved)
             self.version = oldest - 1  # so that `load(oldest)` takes the saved weights
             self.load(oldest)
+        self.on_load = on_load  # told after each load (the producer's engine: `Sampler.weights_updated`)
 
     def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
         return [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
@@ -158,6 +158,7 @@ class Producer:
         self._next: int | None = None  # the batch the producer takes next
         self._error: tuple[int, BaseException] | None = None
         self._closed = self._paused = self._busy = False
+        self._started = False  # nothing is sampled before the trainer's first `take` (see `take`)
         self.doing = "waiting for its first batch"  # for the stall warning
         self._thread = threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)
         self._thread.start()
@@ -183,9 +184,14 @@ class Producer:
             self._changed.notify_all()
 
     def take(self, k: int) -> _Handed:
-        """Batch k, once produced; what the producer raised instead is raised here."""
+        """Batch k, once produced; what the producer raised instead is raised here. The first call lets the producer
+        start: Trainer sets torch's random state after reading the first batches of a resumed run, which must not
+        land in the middle of a batch's draws."""
         waited = 0.0
         with self._changed:
+            if not self._started:
+                self._started = True
+                self._changed.notify_all()
             while k not in self._handed:
                 if self._error is not None:
                     at, error = self._error
@@ -234,7 +240,8 @@ class Producer:
     # ---- the producer thread -----------------------------------------------------------------------------------
     def _admitted(self) -> bool:
         request = self._requests.get(self._next) if self._next is not None else None
-        return request is not None and self._version >= request[1] and not self._paused
+        admitted = request is not None and self._version >= request[1]
+        return admitted and self._started and not self._paused
 
     def _run(self) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():

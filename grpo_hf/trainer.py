@@ -165,7 +165,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             self.accelerator, forwards, args.per_device_train_batch_size, args.share_prompt_prefix, aux, sharded,
             args.backward_per_group,
         )  # fmt: skip
-        settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction())  # frozen, checked
+        settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction(self.uses_producer))
         self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
         self.experience = self._experience_maker(rollout_func)
         self._check_async(rollout_func)

@@ -228,11 +228,12 @@ class VLLMArguments:
             return self.vllm_max_model_length
         return None
 
-    def sampling_correction(self) -> SamplingCorrection | None:
+    def sampling_correction(self, producer: bool = False) -> SamplingCorrection | None:
         """The settings of the importance-sampling correction (`core.SamplingCorrection`, checked when built): vLLM's,
         and asynchronous GRPO's decoupled-PPO weight (`max_staleness` > 0, docs/async.md); None when no correction
-        applies (neither, or `vllm_importance_sampling_correction=False`)."""
-        sampler_differs = self.use_vllm or getattr(self, "max_staleness", 0) > 0
+        applies (neither, or `vllm_importance_sampling_correction=False`). `producer`: a producer thread samples
+        (`AsyncGRPOTrainer` at max_staleness 0 too; the weight applies to stale batches only)."""
+        sampler_differs = self.use_vllm or producer or getattr(self, "max_staleness", 0) > 0
         if not (sampler_differs and self.vllm_importance_sampling_correction):
             return None
         return SamplingCorrection(

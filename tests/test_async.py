@@ -152,3 +152,90 @@ def test_two_processes_at_staleness_0_and_1(tmp_path):
     stale = runs["stale1"]
     assert max(row["async/staleness_max"] for row in stale["logs"]) <= 1.0
     assert any(not torch.equal(stale["params"][name], value) for name, value in runs["sync"]["params"].items())
+
+
+# ---- one run per seed, and resume ----------------------------------------------------------------------------------
+def test_a_seed_gives_one_run_whatever_the_threads_timing(tmp_path):
+    """At max_staleness 2, a reward whose latency is random on each call: which batch the producer is on when the
+    trainer steps differs from run to run, the run does not."""
+    import random
+
+    clock = random.Random()
+
+    def jittery(completion_ids, **kwargs):
+        time.sleep(clock.uniform(0.0, 0.05))
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    first = run(tmp_path, "first", reward=jittery, max_staleness=2, max_steps=5)
+    second = run(tmp_path, "second", reward=jittery, max_staleness=2, max_steps=5)
+    for (name, a), (_, b) in zip(first.model.named_parameters(), second.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert comparable(train_logs(first)) == comparable(train_logs(second))
+    assert [row["async/staleness_max"] for row in train_logs(first)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def checkpointed(output_dir, staleness: int):
+    from test_resume import CHECKPOINTED, checkpointed_trainer  # noqa: F401  (the resume tests' run)
+
+    trainer = checkpointed_trainer(output_dir, max_staleness=staleness, rollout_engine="loop")
+    if staleness == 0:
+        trainer.__class__ = ProducingGRPOTrainer
+    return trainer
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_resumed_run_repeats_the_unbroken_run_exactly(tmp_path, staleness):
+    """Stopped right after checkpoint 2 (what a kill -9 then leaves on disk) and resumed: the same logs and weights
+    as the run never stopped, the producer's weights for the batches sampled ahead kept in the checkpoint."""
+    import shutil
+
+    unbroken = checkpointed(tmp_path / "unbroken", staleness)
+    unbroken.train()
+    run_dir = tmp_path / "killed"
+    shutil.copytree(tmp_path / "unbroken" / "checkpoint-2", run_dir / "checkpoint-2")
+    resumed = checkpointed(run_dir, staleness)
+    resumed.train(resume_from_checkpoint=True)
+    after = lambda trainer: [row for row in comparable(train_logs(trainer)) if row["step"] > 2]  # noqa: E731
+    assert after(resumed) == after(unbroken)
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), unbroken.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+KILLED_AT_2 = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}]
+from test_async import checkpointed
+from transformers import TrainerCallback
+
+class Die(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+trainer = checkpointed({out!r}, 1)
+trainer.add_callback(Die())
+trainer.train()
+"""
+
+
+def test_kill_9_at_staleness_1_then_resume_is_the_unbroken_run(tmp_path):
+    """SIGKILL right after checkpoint 2 while the producer samples ahead; resume=True repeats the unbroken run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    script = KILLED_AT_2.format(tests=str(Path(__file__).parent), out=str(out))
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    resumed = checkpointed(out, 1)
+    resumed.train(resume_from_checkpoint=True)
+    unbroken = checkpointed(tmp_path / "unbroken", 1)
+    unbroken.train()
+    after = lambda trainer: [row for row in comparable(train_logs(trainer)) if row["step"] > 2]  # noqa: E731
+    assert after(resumed) == after(unbroken) and len(after(unbroken)) == 2
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), unbroken.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
