@@ -224,7 +224,7 @@ def test_the_async_trainer_is_grpo_trainer_with_the_configs_max_staleness(tmp_pa
         [{k: v for k, v in log.items() if k not in timing and "time" not in k} for log in logs]
         for logs in (sync_logs, async_logs)
     ]
-    assert strip[0] == strip[1]
+    assert len(strip[0]) == 2 and strip[0] == strip[1]
 
 
 # ---- a TRL async script, its import changed -------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def conversational_dataset(n=4):
     )
 
 
-@pytest.mark.parametrize("max_staleness", [0])
+@pytest.mark.parametrize("max_staleness", [0])  # with the producer of issue 42 on main, 1 as well
 def test_a_trl_async_script_trains_by_changing_the_import(tmp_path, tokenizer, max_staleness):
     path = tmp_path / "tiny"
     build_tiny_model(tokenizer).save_pretrained(path)
