@@ -39,11 +39,14 @@ IGNORED_FIELDS: dict[str, str] = {
     "weight_sync_timeout": "vllm_server_timeout bounds each weight push to a vLLM server",
     "token_budget": "micro-batches hold per_device_train_batch_size completions (logprob_chunk_size bounds the "
     "log-prob forward's memory)",
-    "max_inflight_tasks": "generation runs one generation batch at a time, at most max_staleness batches ahead of "
-    "the trainer",
-    "queue_maxsize": "the queue between generation and training holds at most max_staleness generation batches",
-    "weight_sync_steps": "the sampling weights are refreshed after every optimizer step",
-    "heartbeat_stale_after_s": "generation runs in a thread of the training process, whose error stops training",
+    "max_inflight_tasks": "one producer thread samples one generation batch at a time, admitted at most "
+    "max_staleness optimizer steps ahead of the trainer",
+    "queue_maxsize": "admission control keeps the producer at most max_staleness optimizer steps ahead, which bounds "
+    "what waits to be trained",
+    "weight_sync_steps": "the producer samples each generation batch with the newest weights the trainer published, "
+    "after every optimizer step",
+    "heartbeat_stale_after_s": "generation runs in a thread of the training process: its error stops training, and a "
+    "trainer kept waiting for a batch warns after 300 s, naming what the producer is doing",
 }
 
 
@@ -146,7 +149,8 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.vllm_server_base_url is not None and not (self.use_vllm and self.vllm_mode == "server"):
             ignored["vllm_server_base_url"] = (
                 f"the rollouts are sampled by this process's rollout engine (rollout_engine={self.rollout_engine!r}), "
-                "not on a vLLM server: set use_vllm=True and vllm_mode='server' to sample on that server"
+                "not on a vLLM server: use_vllm=True with vllm_mode='server' samples on one, with max_staleness=0 in "
+                "GRPOTrainer (docs/async.md: the producer does not take vLLM yet)"
             )
         return ignored
 

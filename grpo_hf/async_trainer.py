@@ -1,7 +1,10 @@
 """`AsyncGRPOTrainer`: `GRPOTrainer` under the constructor of TRL 1.16's `trl.experimental.async_grpo`.
 
-It is the same trainer, built from the same arguments: asynchrony is `GRPOConfig.max_staleness` (docs/async.md),
-which `AsyncGRPOConfig` sets to TRL's default, 4. The promises:
+It is the same trainer, built from the same arguments, with its producer thread always on (docs/async.md): generation
+runs ahead of training by at most `args.max_staleness` optimizer steps (`AsyncGRPOConfig`: TRL's default, 4), and at
+`max_staleness=0` the producer and the trainer take turns, which is the synchronous run bit for bit. So the producer's
+limits apply at every staleness (docs/async.md names them: no vLLM, FSDP / ZeRO-3, `rollout_func` or dynamic sampling
+yet; `GRPOTrainer` at `max_staleness=0` runs them all). The promises:
 
 - TRL's arguments, in TRL's order and with TRL's names: `model, reward_funcs, args, train_dataset,
   processing_class, callbacks, optimizers, peft_config, tools, environment_factory, rollout_worker,
@@ -26,11 +29,12 @@ from grpo_hf.trainer import GRPOTrainer, RewardFunc
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    """GRPO with generation running ahead of training by at most `args.max_staleness` optimizer steps, under TRL's
-    `AsyncGRPOTrainer` constructor (TRL 1.16, `trl.experimental.async_grpo`). Arguments: `GRPOTrainer`'s, and
-    `rollout_worker` / `weight_transfer`, which must stay None (see the module docstring)."""
+    """GRPO with generation in a producer thread, ahead of training by at most `args.max_staleness` optimizer steps,
+    under TRL's `AsyncGRPOTrainer` constructor (TRL 1.16, `trl.experimental.async_grpo`). Arguments: `GRPOTrainer`'s,
+    and `rollout_worker` / `weight_transfer`, which must stay None (see the module docstring)."""
 
     _tag_names = ["grpo", "grpo_hf", "async-grpo"]
+    _produce_always = True  # the producer thread even at max_staleness=0, taking turns with the trainer
 
     def __init__(
         self,
@@ -78,8 +82,8 @@ def refuse_trl_only_arguments(rollout_worker, weight_transfer) -> None:
             f"rollout_worker={type(rollout_worker).__name__}(...): grpo_hf has no separate rollout worker; its "
             "trainer samples with its own rollout engines (rollout_engine=..., or use_vllm=True with "
             "vllm_mode='server' for a vLLM server) and scores with reward_funcs. To replace sampling, pass "
-            "rollout_func=f(prompts, trainer) (docs/tools.md, 'rollout_func'); to score elsewhere, pass a reward "
-            "function that calls your scorer. Remove rollout_worker."
+            "rollout_func=f(prompts, trainer) to GRPOTrainer, synchronous (docs/tools.md, 'rollout_func'); to score "
+            "elsewhere, pass a reward function that calls your scorer. Remove rollout_worker."
         )
     if weight_transfer is not None:
         raise ValueError(

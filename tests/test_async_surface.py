@@ -132,7 +132,7 @@ def test_ignored_fields_are_named_in_one_warning_per_run(tmp_path, caplog):
     assert len(warnings) == 1, warnings  # once per run, not per step
     named = re.findall(r"(\w+)=\S+ \(", warnings[0])
     assert named == ["queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s", "vllm_server_base_url"]
-    assert "set use_vllm=True and vllm_mode='server'" in warnings[0]
+    assert "use_vllm=True with vllm_mode='server' samples on one" in warnings[0]
 
 
 def test_a_config_at_trls_defaults_warns_of_nothing(tmp_path, caplog):
@@ -196,7 +196,8 @@ def test_no_args_is_trls_default_config(tmp_path, tokenizer, monkeypatch):
 
 
 def test_the_async_trainer_is_grpo_trainer_with_the_configs_max_staleness(tmp_path):
-    """Same settings, same seed: AsyncGRPOTrainer at max_staleness=0 trains GRPOTrainer's parameters and logs."""
+    """Same settings, same seed: AsyncGRPOTrainer at max_staleness=0 runs its producer thread (taking turns with the
+    trainer, docs/async.md) and trains GRPOTrainer's parameters, with GRPOTrainer's logs besides its async/ ones."""
     settings = dict(
         per_device_train_batch_size=4,
         num_generations=4,
@@ -205,6 +206,7 @@ def test_the_async_trainer_is_grpo_trainer_with_the_configs_max_staleness(tmp_pa
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         max_staleness=0,
+        rollout_engine="loop",
         seed=0,
         **CPU,
     )
@@ -219,9 +221,11 @@ def test_the_async_trainer_is_grpo_trainer_with_the_configs_max_staleness(tmp_pa
     assert type(async_) is AsyncGRPOTrainer and async_.args.max_staleness == 0
     for (name, param), other in zip(sync.model.named_parameters(), async_.model.parameters(), strict=True):
         assert torch.equal(param, other), name
+    assert all(log["async/staleness_max"] == 0.0 for log in async_logs)  # the producer ran
+    assert not [k for log in sync_logs for k in log if k.startswith("async/")]  # GRPOTrainer at 0 runs none
     timing = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
     strip = [
-        [{k: v for k, v in log.items() if k not in timing and "time" not in k} for log in logs]
+        [{k: v for k, v in log.items() if k not in timing and not k.startswith("async/")} for log in logs]
         for logs in (sync_logs, async_logs)
     ]
     assert len(strip[0]) == 2 and strip[0] == strip[1]
@@ -269,7 +273,7 @@ def conversational_dataset(n=4):
     )
 
 
-@pytest.mark.parametrize("max_staleness", [0])  # with the producer of issue 42 on main, 1 as well
+@pytest.mark.parametrize("max_staleness", [0, 1])
 def test_a_trl_async_script_trains_by_changing_the_import(tmp_path, tokenizer, max_staleness):
     path = tmp_path / "tiny"
     build_tiny_model(tokenizer).save_pretrained(path)
@@ -282,6 +286,7 @@ def test_a_trl_async_script_trains_by_changing_the_import(tmp_path, tokenizer, m
     )
     assert trainer.state.log_history[-1]["train_loss"] is not None
     assert len(train_logs(trainer)) == 2 and trainer.args.max_staleness == max_staleness
+    assert all(log["async/staleness_max"] <= max_staleness for log in train_logs(trainer))  # the producer sampled
     for name, param in previous.items():
         assert not torch.equal(param, trainer.model.get_parameter(name)), f"{name} has not changed"
 
