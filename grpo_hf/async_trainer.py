@@ -13,7 +13,9 @@ yet; `GRPOTrainer` at `max_staleness=0` runs them all). The promises:
 - `args=None` is `AsyncGRPOConfig(output_dir="<model name>-AsyncGRPO")`, as TRL's; a `GRPOConfig` is taken as it is
   (its own `max_staleness`); TRL's config object is refused with the import to change;
 - `rollout_worker` and `weight_transfer` (TRL's rollout process and its NCCL weight sync) are refused when given, with
-  what to use instead: grpo_hf samples with its own engines and moves the weights itself.
+  what to use instead: grpo_hf samples with its own engines and moves the weights itself;
+- settings the producer cannot run (`producer.async_unsupported_reason`) are refused before any model loads, naming
+  `GRPOTrainer` at `max_staleness=0` as the trainer that runs them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from grpo_hf.async_config import AsyncGRPOConfig
 from grpo_hf.config import GRPOConfig
+from grpo_hf.producer import async_unsupported_reason
 from grpo_hf.trainer import GRPOTrainer, RewardFunc
 
 
@@ -57,10 +60,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
     ):
         refuse_trl_only_arguments(rollout_worker, weight_transfer)
+        args = async_config_or_default(args, model)
+        refuse_what_the_producer_cannot_run(args, rollout_func)
         super().__init__(
             model,
             reward_funcs,
-            async_config_or_default(args, model),
+            args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -91,6 +96,19 @@ def refuse_trl_only_arguments(rollout_worker, weight_transfer) -> None:
             "itself (its own engines sample from the trained model; a colocated vLLM gets them in memory and a vLLM "
             "server as files from process 0, whenever the policy changed) and takes no weight-sync backend. Remove "
             "weight_transfer."
+        )
+
+
+def refuse_what_the_producer_cannot_run(args: GRPOConfig, rollout_func) -> None:
+    """The producer's limits (`producer.async_unsupported_reason`, the one rule) that the config shows, refused before
+    any model loads, pointing to `GRPOTrainer`: this trainer runs the producer even at max_staleness=0. Sharding
+    (FSDP, ZeRO-3) is known once `Trainer` is built, and `GRPOTrainer` checks it then."""
+    why = async_unsupported_reason(args, sharded=False, rollout_func=rollout_func is not None)
+    if why is not None:
+        raise ValueError(
+            f"AsyncGRPOTrainer samples in a producer thread at every max_staleness (here {args.max_staleness}), and "
+            f"the producer cannot run these settings: {why}. For them, use GRPOTrainer, which runs no producer at "
+            "max_staleness=0 (docs/async.md)."
         )
 
 

@@ -176,6 +176,25 @@ def test_trls_rollout_worker_and_weight_transfer_are_refused_with_what_to_use(ar
     assert f"{argument}=Stub(...)" in str(raised.value) and f"Remove {argument}" in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("settings", "rollout_func", "reason"),
+    [
+        ({"use_vllm": True, "vllm_mode": "server"}, None, "vLLM holds its own copy of the weights"),
+        ({"dynamic_sampling": True}, None, "dynamic_sampling refills on the main thread"),
+        ({}, lambda prompts, trainer: {}, "a rollout_func samples with the trainer's own model"),
+    ],
+)
+def test_what_the_producer_cannot_run_is_refused_naming_grpo_trainer(settings, rollout_func, reason):
+    """Even at max_staleness=0 (the producer takes turns with the trainer), before any model loads: "unused" is not
+    a model anyone could load."""
+    args = AsyncGRPOConfig(output_dir="unused", max_staleness=0, report_to="none", **settings)
+    with pytest.raises(ValueError, match="producer thread at every max_staleness") as raised:
+        AsyncGRPOTrainer("unused", None, args, rollout_func=rollout_func)
+    assert reason in str(raised.value) and "use GRPOTrainer, which runs no producer at max_staleness=0" in str(
+        raised.value
+    )
+
+
 def test_trls_config_object_is_refused_with_the_import_to_change(tmp_path):
     theirs = trl_async.AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(
