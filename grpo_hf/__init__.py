@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncGRPOConfig": "grpo_hf.async_config",
+    "AsyncGRPOTrainer": "grpo_hf.async_trainer",
     "GRPOConfig": "grpo_hf.config",
     "GRPOTrainer": "grpo_hf.trainer",
     "REWARD_FUNCS": "grpo_hf.rewards",
@@ -25,6 +27,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "REWARD_FUNCS",
@@ -40,6 +44,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from grpo_hf.async_config import AsyncGRPOConfig
+    from grpo_hf.async_trainer import AsyncGRPOTrainer
     from grpo_hf.config import GRPOConfig
     from grpo_hf.rewards import (
         REWARD_FUNCS,
