@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpo_hf.parallel import is_zero3
+
 logger = logging.getLogger(__name__)
 
 # A trainer waiting this long for a generation batch warns, naming what the producer is doing (again each interval).
@@ -387,3 +389,61 @@ class AsyncRollouts:
         if self.sampler.engine is not None:
             self.sampler.engine.close()
         self.snapshot = self.sampler = None
+
+
+class Producing:
+    """`GRPOTrainer`'s asynchronous side (a mixin, as `checkpoint.AtomicCheckpoints`): with a producer
+    (`max_staleness` > 0, or `AsyncGRPOTrainer`) Trainer's batches are read ahead and the generation batches handed
+    to it (`get_batch_samples`), the trainer takes them from it (`_produced`), evaluation pauses it, and the end of
+    `train()` stops it. Reads the trainer's `args`, `accelerator`, `experience`, `model`, `state`, `_micro_step` and
+    `_metrics`."""
+
+    # True: a producer thread samples even at max_staleness=0 (`AsyncGRPOTrainer`), taking turns with the trainer
+    _produce_always = False
+
+    def _init_producer(self, rollout_func) -> None:
+        """Refuse the settings a producer cannot run with, here, when one will run."""
+        self.async_rollouts: AsyncRollouts | None = None  # while training runs with a producer
+        self._saved_producer_weights = None  # a resumed run's: the producer's weights its checkpoint kept
+        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+        why = async_unsupported_reason(self.args, sharded=sharded, rollout_func=rollout_func is not None)
+        if self.uses_producer and why is not None:
+            raise ValueError(f"max_staleness={self.args.max_staleness}: {why}.")
+
+    @property
+    def uses_producer(self) -> bool:
+        """Whether training samples in a producer thread: max_staleness > 0, or an `AsyncGRPOTrainer`."""
+        return self.args.max_staleness > 0 or self._produce_always
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer's; with a producer, the dataloader is read ahead, and the generation batches among what was read
+        go to the producer in the order the synchronous run samples them (`AsyncRollouts.read`)."""
+        if not self.uses_producer:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.async_rollouts is None:  # training has started: a resumed run's weights are loaded by now
+            policy, sampler = self.accelerator.unwrap_model(self.model), self.experience.sampler
+            saved, self._saved_producer_weights = self._saved_producer_weights, None
+            args = (self.args, self.accelerator, self.experience, sampler.for_model, policy, self.state.global_step)
+            self.async_rollouts = AsyncRollouts(*args, saved=saved)
+        batches = self.async_rollouts.read(epoch_iterator, num_batches, self._micro_step, self.state.global_step)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _produced(self, k: int) -> list | None:
+        """Generation batch k's micro-batches from the producer, or None without one running."""
+        if self.async_rollouts is None:
+            return None
+        return self.async_rollouts.train_batches(k, self.state.global_step, self._metrics["train"])
+
+    def train(self, *args, **kwargs):
+        """Trainer's; the end, an exception or Ctrl-C stop the producer and drop its copy of the weights."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.async_rollouts is not None:
+                self.async_rollouts.close()
+                self.async_rollouts = None
+
+    def evaluate(self, *args, **kwargs):
+        """Trainer's; a producer pauses meanwhile (evaluation samples with the run's own sampler and environments)."""
+        with self.async_rollouts.paused() if self.async_rollouts is not None else contextlib.nullcontext():
+            return super().evaluate(*args, **kwargs)

@@ -9,6 +9,7 @@ One optimizer step (docs/design.md, "One training step")::
       core               group_advantages over whole groups -> this process's advantages [B]
       rollout.batching   micro-batches of per_device_train_batch_size rows, trimmed and padded once
       logprobs           old_logps / ref_logps per micro-batch, without gradient, only when needed
+      (max_staleness > 0: a producer thread samples and scores ahead, `producer.Producing`; docs/async.md)
     compute_loss       the policy's log-probs -> Objective: core.grpo_loss_with, entropy bonus, MoE aux loss
     Trainer            backward, clip, optimizer step (callbacks: skip a non-finite step, stop, sync), log
 
@@ -19,7 +20,6 @@ maths), `logprobs`, `objective`, `guards`, `metrics`, `callbacks`, `precision` a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +43,7 @@ from grpo_hf.models import build_models, tokenizer_of
 from grpo_hf.objective import Objective, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
-from grpo_hf.producer import AsyncRollouts, async_unsupported_reason
+from grpo_hf.producer import Producing
 from grpo_hf.rewards.reward_models import reward_processing_classes_of, reward_sources
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 RewardFunc = Callable[..., list] | str | PreTrainedModel
 
 
-class GRPOTrainer(AtomicCheckpoints, Trainer):
+class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
     """Group Relative Policy Optimization (Shao et al., 2024) as a `transformers.Trainer`.
 
     Args (TRL 1.16's, in TRL's order; docs/design.md, "The public contract"):
@@ -74,8 +74,6 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     """
 
     _tag_names = ["grpo", "grpo_hf"]
-    # True: a producer thread samples even at max_staleness=0 (`AsyncGRPOTrainer`), taking turns with the trainer
-    _produce_always = False
     # Our loss is a per-micro-batch quantity: let Trainer divide it by the accumulation steps.
     loss_is_scaled_for_ga = False
 
@@ -168,9 +166,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction(self.uses_producer))
         self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
         self.experience = self._experience_maker(rollout_func)
-        self._check_async(rollout_func)
-        self.async_rollouts: AsyncRollouts | None = None  # the producer (max_staleness > 0), while training runs
-        self._saved_producer_weights = None  # a resumed run's: the producer's weights its checkpoint kept
+        self._init_producer(rollout_func)  # `producer.Producing`: asynchronous GRPO (max_staleness > 0)
         self._micro_step = 0
         self._buffer: list[MicroBatch] = []  # the micro-batches of the current rollout
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
@@ -197,25 +193,12 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         wrapped = lambda: self.model_wrapped  # noqa: E731
         sampler = Sampler(self.args, self.accelerator, self.processing_class, generation, wrapped, bound, self.agentic)
         return ExperienceMaker(
-            self.args,
-            self.accelerator,
-            self.processing_class,
+            self.args, self.accelerator, self.processing_class,
             rewards=RewardSet(self.reward_funcs, self.reward_func_names, self.reward_weights),
             models=Models(policy=lambda: self.model, reference=self.ref_model),
-            logps=self.logps,
-            guard=self.guard,
-            metrics=self._metrics,
-            state=lambda: self.state,
-            sampler=sampler,
+            logps=self.logps, guard=self.guard, metrics=self._metrics, state=lambda: self.state, sampler=sampler,
             train_rows=lambda: self._remove_unused_columns(self.train_dataset, description="training"),
-        )
-
-    def _check_async(self, rollout_func) -> None:
-        """With a producer (max_staleness > 0), the settings it cannot run with are refused here."""
-        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
-        why = async_unsupported_reason(self.args, sharded=sharded, rollout_func=rollout_func is not None)
-        if self.uses_producer and why is not None:
-            raise ValueError(f"max_staleness={self.args.max_staleness}: {why}.")
+        )  # fmt: skip
 
     def _place_models(self, ref_model):
         """Reward models and the reference model prepared like the policy (`parallel.prepare_reference`); the
@@ -313,39 +296,11 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         steps_per_generation x num_iterations micro-steps; the sampler serves the same rows to each of them."""
         args = self.args
         per_batch = args.steps_per_generation * args.num_iterations
-        if self._micro_step % per_batch == 0:
-            if self.async_rollouts is None:
-                self._buffer = self.experience.train_batches(inputs)
-            else:  # the producer sampled and scored it (from the same rows, read ahead)
-                k, version, metrics = self._micro_step // per_batch, self.state.global_step, self._metrics["train"]
-                self._buffer = self.async_rollouts.train_batches(k, version, metrics)
+        if self._micro_step % per_batch == 0:  # a producer's batch was sampled and scored from the same rows
+            self._buffer = self._produced(self._micro_step // per_batch) or self.experience.train_batches(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return batch
-
-    # ---- asynchronous GRPO (`grpo_hf.producer`, docs/async.md) --------------------------------------------------
-    @property
-    def uses_producer(self) -> bool:
-        """Whether training samples in a producer thread: max_staleness > 0, or an `AsyncGRPOTrainer`."""
-        return self.args.max_staleness > 0 or self._produce_always
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Trainer's; with a producer, the dataloader is read ahead, and the generation batches among what was read
-        go to the producer in the order the synchronous run samples them (`producer.AsyncRollouts.read`)."""
-        if not self.uses_producer:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.async_rollouts is None:  # training has started: a resumed run's weights are loaded by now
-            policy, sampler = self.accelerator.unwrap_model(self.model), self.experience.sampler
-            saved, self._saved_producer_weights = self._saved_producer_weights, None
-            args = (self.args, self.accelerator, self.experience, sampler.for_model, policy, self.state.global_step)
-            self.async_rollouts = AsyncRollouts(*args, saved=saved)
-        batches = self.async_rollouts.read(epoch_iterator, num_batches, self._micro_step, self.state.global_step)
-        return batches, self._get_num_items_in_batch(batches, device)
-
-    def _stop_producer(self) -> None:
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()
-            self.async_rollouts = None
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
@@ -466,18 +421,9 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ---- checkpoints and resume: `checkpoint.AtomicCheckpoints`, with this run state ---------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`, resumable exactly (`checkpoint.AtomicCheckpoints.train`), after checking that every
-        process holds the same train dataset."""
+        """`Trainer.train`, resumable exactly (`checkpoint.AtomicCheckpoints.train`), every process on one dataset."""
         check_same_dataset(self.train_dataset, self.accelerator)
-        try:
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
-        finally:  # the end, an exception or Ctrl-C: the producer stops and drops its copy of the weights
-            self._stop_producer()
-
-    def evaluate(self, *args, **kwargs):
-        """Trainer's; a producer pauses meanwhile (evaluation samples with the run's own sampler and environments)."""
-        with self.async_rollouts.paused() if self.async_rollouts is not None else contextlib.nullcontext():
-            return super().evaluate(*args, **kwargs)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _run_state(self) -> dict[str, Any]:
         state = {
