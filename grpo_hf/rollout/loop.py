@@ -151,17 +151,13 @@ def sample_groups(
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
     A VLM's rows' image inputs (`images`) go to the prefill; `blocked_token_ids` (image tokens) are never drawn.
-    `logps` [N, max_new_tokens] float32 (None: nothing recorded): each token's log-probability under the distribution
-    it was drawn from (the processed scores' log-softmax) is written at its row and column (after a row's EOS: the
-    pad's, for the caller to mask).
+    `logps` [N, max_new_tokens] float32 (None: nothing recorded) gets each token's log-prob under the distribution it
+    was drawn from, at its row and column (`_draw`).
     Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
     """
-    N, P = prompt_ids.shape
-    T = generation_config.max_new_tokens
-    device = prompt_ids.device
+    (N, P), T, device = prompt_ids.shape, generation_config.max_new_tokens, prompt_ids.device
     cache = _preallocated_cache(model.config, P + T)
     logits, next_position = _prefill(model, prompt_ids, prompt_mask, cache, images)  # [N, V], [N, 1]
-
     eos = torch.tensor(list(eos_token_ids), device=device)
     pad = generation_config.pad_token_id
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((N, T), pad)], dim=1)  # [N, P + T]
@@ -180,9 +176,7 @@ def sample_groups(
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
         # One uniform per original row and step, whichever rows are still in the batch.
         uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
-        tokens = sample_categorical(torch.softmax(scores, dim=-1), uniform).masked_fill(finished, pad)  # [A]
-        if logps is not None:
-            logps[rows, t] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        tokens = _draw(scores, uniform, finished, pad, logps, rows, t)  # [A]
         sequences[rows, P + t] = tokens
         finished |= torch.isin(tokens, eos)
         if t == T - 1 or bool(finished.all()):
@@ -196,6 +190,16 @@ def sample_groups(
             model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache, keyword
         )
     return sequences[:, P : P + t + 1]  # [N, T]
+
+
+def _draw(scores, uniform, finished, pad: int, logps, rows, t: int) -> torch.Tensor:
+    """The batch's tokens [A] drawn from processed scores [A, V] with `uniform` [A, 1], pad where `finished` [A]; with
+    `logps` [N, T], each token's log-prob under the distribution it was drawn from (the scores' log-softmax) goes to
+    `logps[rows, t]` (a finished row's: the pad's, for the caller to mask)."""
+    tokens = sample_categorical(torch.softmax(scores, dim=-1), uniform).masked_fill(finished, pad)  # [A]
+    if logps is not None:
+        logps[rows, t] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens
 
 
 def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tensor, torch.Tensor]:
