@@ -5,8 +5,8 @@ Trains the real SmolLM2-135M-Instruct weights (the demos' offline model) for `--
 
 - `latency`: every completion's reward comes from a service that answers after `--latency` seconds (a judge or a
   sandbox elsewhere; simulated by a sleep, so the producer waits on something that is not this CPU). `--latency auto`
-  (the default) makes it as long as one synchronous step of the compute-bound workload (measured first, in this
-  run).
+  (the default) makes it as long as the training part of one step (the step minus its sampling and scoring),
+  measured first, in this run, on the compute-bound workload.
 - `compute`: instant rewards; sampling and training compete for the same CPU cores, so overlap cannot win here; the
   ratio says what the producer thread costs.
 
@@ -74,7 +74,29 @@ def model_and_tokenizer(tiny: bool):
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
+def timed_production():
+    """Times `ExperienceMaker.produce` (sampling and scoring a generation batch), in whichever thread runs it."""
+    from grpo_hf.experience import ExperienceMaker
+
+    produce, seconds = ExperienceMaker.produce, []
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return produce(self, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    ExperienceMaker.produce = timed
+    return seconds
+
+
+PRODUCE_SECONDS = timed_production()
+
+
 def run(args, staleness: int, latency: float) -> dict:
+    from transformers import PrinterCallback
+
     from grpo_hf import GRPOConfig, GRPOTrainer
 
     def served_reward(completion_ids, **_):
@@ -103,6 +125,8 @@ def run(args, staleness: int, latency: float) -> dict:
         clock = StepClock()
         trainer = GRPOTrainer(model, served_reward, config, train_dataset=dataset(64), processing_class=tokenizer)
         trainer.add_callback(clock)
+        trainer.remove_callback(PrinterCallback)  # no log rows on stdout: the table is the output
+        PRODUCE_SECONDS.clear()
         trainer.train()
     steps = [b - a for a, b in zip(clock.ends[1:-1], clock.ends[2:], strict=True)]  # the first step excluded
     logs = [row for row in trainer.state.log_history if "loss" in row]
@@ -110,6 +134,7 @@ def run(args, staleness: int, latency: float) -> dict:
     return {
         "steps_per_second": 1.0 / statistics.mean(steps),
         "step_seconds": statistics.mean(steps),
+        "produce_seconds": statistics.mean(PRODUCE_SECONDS[1:]),
         "staleness": mean("async/staleness_mean"),
         "trainer_wait": mean("async/trainer_wait_fraction"),
         "producer_wait": mean("async/producer_wait_fraction"),
@@ -129,7 +154,8 @@ def main() -> None:
     compute_sync = run(args, 0, 0.0)
     rows.append(("compute", 0, 0.0, compute_sync))
     rows.append(("compute", 1, 0.0, run(args, 1, 0.0)))
-    latency = compute_sync["step_seconds"] if args.latency == "auto" else float(args.latency)
+    training = compute_sync["step_seconds"] - compute_sync["produce_seconds"]
+    latency = training if args.latency == "auto" else float(args.latency)
     for staleness in (0, 1, 2):
         rows.append(("latency", staleness, latency, run(args, staleness, latency)))
 

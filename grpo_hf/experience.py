@@ -284,15 +284,25 @@ class ExperienceMaker:
     def produce(self, inputs: list[dict[str, Any]], sampler: Sampler | None = None) -> Produced:
         """Sample and score this process's rows with `sampler` (None: the run's own), calling nothing collective: the
         producer thread runs this (`grpo_hf.producer`), the main thread `finish_round`."""
+        return self.score_round(self.sample_round(inputs, sampler))
+
+    def sample_round(self, inputs: list[dict[str, Any]], sampler: Sampler | None = None) -> Produced:
+        """`produce`'s first half: the rows sampled, not yet scored."""
         prompts = [row.get("prompt") for row in inputs]  # None: an environment's reset gives it
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         self.num_generate_calls += 1
         sampled = (sampler or self.sampler).sample(prompts, columns)  # may add columns (rollout_func's, environments)
-        prompts = sampled.prompts or prompts
+        return Produced(sampled.prompts or prompts, columns, sampled)
+
+    def score_round(self, produced: Produced) -> Produced:
+        """`produce`'s second half: `produced`'s rows scored by the reward functions (what they raise is kept in
+        `failure`, reported by every process in `finish_round`)."""
         try:
-            return Produced(prompts, columns, sampled, *self.score(prompts, columns, sampled))
+            scores = self.score(produced.prompts, produced.columns, produced.sampled)
+            produced.rewards, produced.texts, produced.errors, produced.logs = scores
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
-            return Produced(prompts, columns, sampled, failure=error)
+            produced.failure = error
+        return produced
 
     def finish_round(self, produced: Produced, G: int, metrics: dict[str, list[float]]) -> Rollout:
         """`produce`'s rows -> a `Rollout`: the rewards gathered over the processes and combined, the round's

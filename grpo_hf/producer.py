@@ -39,7 +39,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,10 +149,12 @@ class _Handed:
 
 
 class Producer:
-    """The producer thread: generation batches in order, each once admitted (see the module docstring)."""
+    """The producer thread: generation batches in order, each sampled once admitted (see the module docstring).
+    `pipelined`: a scorer thread of its own runs the reward functions of batch k while the producer samples batch
+    k + 1 (when admitted), so that a slow reward does not hold the sampling up either."""
 
-    def __init__(self, produce: Callable[[list[dict]], Any], snapshot: WeightSnapshot, version: int, stream=None):
-        self.produce, self.snapshot, self.stream = produce, snapshot, stream
+    def __init__(self, sample, score, snapshot: WeightSnapshot, version: int, stream=None, pipelined: bool = False):
+        self.sample, self.score, self.snapshot, self.stream = sample, score, snapshot, stream
         self._changed = threading.Condition()
         # batch -> (its rows, the version it is sampled by and may start at, its seed or None: the global stream)
         self._requests: dict[int, tuple[list[dict], int, int | None]] = {}
@@ -159,9 +162,11 @@ class Producer:
         self._version = version  # the policy's, published after each optimizer step
         self._next: int | None = None  # the batch the producer takes next
         self._error: tuple[int, BaseException] | None = None
-        self._closed = self._paused = self._busy = False
+        self._closed = self._paused = False
+        self._busy = 0  # batches being sampled or scored
         self._started = False  # nothing is sampled before the trainer's first `take` (see `take`)
-        self.doing = "waiting for its first batch"  # for the stall warning
+        self._doing = {"sampler": "waiting for its first batch", "scorer": None}  # for the stall warning
+        self._scorer = futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_hf-scorer") if pipelined else None
         self._thread = threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)
         self._thread.start()
 
@@ -226,20 +231,27 @@ class Producer:
                 self._changed.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread after the call it is in, and drop the weights' copy."""
+        """Stop the threads after the calls they are in, and drop the weights' copy."""
         with self._changed:
             self._closed = True
             self._requests.clear()
             self._handed.clear()
             self._changed.notify_all()
         self._thread.join(timeout)
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=False, cancel_futures=True)
         self.snapshot = None
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # ---- the producer thread -----------------------------------------------------------------------------------
+    @property
+    def doing(self) -> str:
+        """What the producer's threads are doing (the stall warning's words)."""
+        return "; ".join(what for what in self._doing.values() if what)
+
+    # ---- the producer's threads -------------------------------------------------------------------------------
     def _admitted(self) -> bool:
         request = self._requests.get(self._next) if self._next is not None else None
         admitted = request is not None and self._version >= request[1]
@@ -250,28 +262,48 @@ class Producer:
             while True:
                 with self._changed:
                     start = time.monotonic()
-                    while not self._closed and not self._admitted():
-                        self.doing = f"waiting to be allowed to start generation batch {self._next}"
+                    while not self._closed and self._error is None and not self._admitted():
+                        self._doing["sampler"] = f"waiting to be allowed to start generation batch {self._next}"
                         self._changed.wait()
-                    if self._closed:
+                    if self._closed or self._error is not None:
                         return
                     k, admission_wait = self._next, time.monotonic() - start
                     rows, admit_at, seed = self._requests.pop(k)
-                    self._busy, self.doing = True, f"sampling and scoring generation batch {k}"
+                    self._busy, self._doing["sampler"] = self._busy + 1, f"sampling generation batch {k}"
                 try:
                     version = self.snapshot.load(admit_at)
                     with _seeded(seed, self.stream):
-                        produced = self.produce(rows)
+                        sampled = self.sample(rows)
                 except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
-                    with self._changed:
-                        self._error, self._busy = (k, error), False
-                        self.doing = f"stopped by an error on generation batch {k}"
-                        self._changed.notify_all()
+                    self._failed(k, error)
                     return
                 with self._changed:
-                    self._handed[k] = _Handed(produced, version, admission_wait)
-                    self._next, self._busy = k + 1, False
-                    self._changed.notify_all()
+                    self._next = k + 1
+                if self._scorer is not None:
+                    self._scorer.submit(self._score, k, sampled, version, admission_wait)
+                else:
+                    self._score(k, sampled, version, admission_wait)
+
+    def _score(self, k: int, sampled, version: int, admission_wait: float) -> None:
+        with self._changed:
+            self._doing["scorer"] = f"scoring generation batch {k}"
+        try:
+            produced = self.score(sampled)
+        except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
+            self._failed(k, error)
+            return
+        with self._changed:
+            self._handed[k] = _Handed(produced, version, admission_wait)
+            self._busy, self._doing["scorer"] = self._busy - 1, None
+            self._changed.notify_all()
+
+    def _failed(self, k: int, error: BaseException) -> None:
+        with self._changed:
+            if self._error is None:
+                self._error = (k, error)
+            self._busy -= 1
+            self._doing = {"sampler": f"stopped by an error on generation batch {k}", "scorer": None}
+            self._changed.notify_all()
 
 
 @contextlib.contextmanager
@@ -323,8 +355,11 @@ class AsyncRollouts:
         self.snapshot = WeightSnapshot(model, version, on_load, saved)
         self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
         stream = torch.cuda.Stream() if accelerator.device.type == "cuda" else None
-        produce = lambda rows: experience.produce(rows, self.sampler)  # noqa: E731
-        self.producer = Producer(produce, self.snapshot, version, stream)
+        sample = lambda rows: experience.sample_round(rows, self.sampler)  # noqa: E731
+        # Rewards of one batch while the next is sampled, unless environments are reused by the next batch while
+        # the rewards of this one read them
+        pipelined = args.max_staleness > 0 and self.sampler.environments is None
+        self.producer = Producer(sample, experience.score_round, self.snapshot, version, stream, pipelined)
         self.published = version
         if saved and version not in saved:  # the policy's own weights, for the batches after the saved versions'
             self.snapshot.stage(version)
