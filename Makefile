@@ -64,6 +64,7 @@ bench: install
 	$(PY) benchmarks/vs_trl.py --configs vlm,vlm_frozen --reps 3 --rollouts 6
 	$(PY) benchmarks/vs_trl.py --configs tools --reps 1 --rollouts 4
 	$(PY) benchmarks/multi_process.py
+	$(PY) benchmarks/async_overlap.py --steps 10
 
 # On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the demo recipe with bf16
 # weights (the learning check of docs/precision.md).

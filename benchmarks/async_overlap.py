@@ -75,19 +75,28 @@ def model_and_tokenizer(tiny: bool):
 
 
 def timed_production():
-    """Times `ExperienceMaker.produce` (sampling and scoring a generation batch), in whichever thread runs it."""
+    """Times `ExperienceMaker.sample_round` and `score_round` (sampling and scoring a generation batch, whichever
+    threads run them): one entry per batch, its seconds in both."""
     from grpo_hf.experience import ExperienceMaker
 
-    produce, seconds = ExperienceMaker.produce, []
+    seconds = []
 
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return produce(self, *args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
+    def timed(method, first: bool):
+        def wrapper(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                if first:
+                    seconds.append(spent)
+                else:
+                    seconds[-1] += spent  # the scorer runs the batches in order, after their sampling
 
-    ExperienceMaker.produce = timed
+        return wrapper
+
+    ExperienceMaker.sample_round = timed(ExperienceMaker.sample_round, first=True)
+    ExperienceMaker.score_round = timed(ExperienceMaker.score_round, first=False)
     return seconds
 
 

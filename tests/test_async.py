@@ -264,3 +264,140 @@ def test_kill_9_at_staleness_1_then_resume_is_the_unbroken_run(tmp_path):
     assert after(resumed) == after(unbroken) and len(after(unbroken)) == 2
     for (name, a), (_, b) in zip(resumed.model.named_parameters(), unbroken.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+# ---- the decoupled correction against its formula ------------------------------------------------------------------
+def test_the_loss_of_a_stale_batch_is_decoupled_ppo_in_a_naive_fp64_loop(tmp_path, monkeypatch):
+    """Every micro-batch of a run at max_staleness 1: the trainer's loss against a loop over rows and tokens, in fp64,
+    of  L = -1/N sum_i 1/|o_i| sum_t w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i),  r = pi_theta / pi_prox,
+    w = min(pi_prox / pi_behav, clip_max) (token_truncate); a fresh batch (staleness 0) has no w."""
+    import math
+
+    from grpo_hf.objective import Objective
+
+    seen, original = [], Objective.__call__
+
+    def recording(self, logps, batch, *args, **kwargs):
+        loss, metrics = original(self, logps, batch, *args, **kwargs)
+        seen.append((logps.detach().double(), batch, loss.item()))
+        return loss, metrics
+
+    monkeypatch.setattr(Objective, "__call__", recording)
+    overrides = dict(
+        max_staleness=1,
+        loss_type="grpo",
+        beta=0.0,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1.05,
+        learning_rate=5e-2,
+        max_steps=4,
+    )
+    run(tmp_path, "naive", **overrides)
+    eps, stale = 0.2, 0
+    for logps, batch, loss in seen:
+        prox = logps if batch.old_logps is None else batch.old_logps.double()
+        behaviour = None if batch.sampling_logps is None else batch.sampling_logps.double()
+        stale += behaviour is not None
+        total = 0.0
+        for i in range(logps.size(0)):
+            A, row, tokens = float(batch.advantages[i]), 0.0, int(batch.completion_mask[i].sum())
+            for t in range(logps.size(1)):
+                if not batch.completion_mask[i, t]:
+                    continue
+                r = math.exp(logps[i, t] - prox[i, t])
+                w = 1.0 if behaviour is None else min(math.exp(prox[i, t] - behaviour[i, t]), 1.05)
+                row += w * min(r * A, min(max(r, 1 - eps), 1 + eps) * A)
+            total += row / tokens if tokens else 0.0
+        assert loss == pytest.approx(-total / logps.size(0), rel=1e-5, abs=1e-7)
+    assert stale == 3  # batches 1, 2, 3 (batch 0 is sampled by the starting weights: staleness 0)
+    assert any(batch.sampling_logps is not None and (batch.sampling_logps.exp() > 0).any() for _, batch, _ in seen)
+
+
+# ---- what trains at max_staleness 1 --------------------------------------------------------------------------------
+def test_lora_at_staleness_0_is_the_synchronous_run_and_trains_at_1(tmp_path):
+    """The producer's copy of a LoRA policy decodes through its own merged copies of the adapted layers."""
+    from peft import LoraConfig
+
+    def lora_run(name, trainer_cls=None, **overrides):
+        settings = {**TRAINING, "max_steps": 3, "rollout_engine": "loop", **overrides}
+        config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        trainer = make_trainer(tiny_run_args(tmp_path / name, settings), trainer_cls=trainer_cls, peft_config=config)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        return trainer, before
+
+    synchronous, _ = lora_run("sync")
+    produced, _ = lora_run("producer", trainer_cls=ProducingGRPOTrainer)
+    for (name, a), (_, b) in zip(synchronous.model.named_parameters(), produced.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    stale, before = lora_run("stale", max_staleness=1)
+    trained = {n for n, p in stale.model.named_parameters() if n in before and not torch.equal(p, before[n])}
+    assert trained and all("lora_" in n for n in trained)
+    assert max(row["async/staleness_max"] for row in train_logs(stale)) == 1.0
+
+
+class Counter:
+    """An environment whose tool counts its calls (stateful: one instance per episode, reset between)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> str:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.count += by
+        return str(self.count)
+
+
+@pytest.mark.parametrize("kind", ["tools", "environments"])
+def test_tool_episodes_train_at_staleness_1(tmp_path, kind):
+    """Scripted turns that call a tool, then answer: the tools run in the producer's episodes (the rewards in the
+    scorer thread with plain tools; with environments the producer scores, the next batch reusing the instances)."""
+    import test_tools as tt
+
+    class RecordingScript(tt.ScriptedEngine):
+        can_record_logps = True
+
+        def sample(self, model, prompt_ids, prompt_mask):
+            ids = super().sample(model, prompt_ids, prompt_mask)
+            self.sampling_logps = torch.full(ids.shape, -1.0)  # the script's own odds of its tokens, say
+            return ids
+
+    tt.register_engine("scripted_logps", RecordingScript)
+    tokenizer = tt.tool_tokenizer()
+    name = "add" if kind == "tools" else "bump"
+    arguments = {"a": 1, "b": 2} if kind == "tools" else {"by": 2}
+    tt.scripted(lambda context, row: "Answer: 3<|im_end|>" if "<tool_response>" in context else tt.call(name, **arguments), tokenizer)  # noqa: E501
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.append([c[-1]["content"] for c in completions])
+        if kind == "environments":
+            seen.append([env.count for env in kwargs["environments"]])
+        return [float(i % 2) for i in range(len(completions))]
+
+    config = tt.args_for(tmp_path, rollout_engine="scripted_logps", max_staleness=1, max_steps=3, learning_rate=1e-2)
+    extra = {"tools": [tt.add]} if kind == "tools" else {"environment_factory": Counter}
+    trainer = tt.trainer_for(tmp_path, tokenizer, reward_funcs=reward, args=config, **extra)
+    trainer.train()
+    assert trainer.async_rollouts is None and trainer.state.global_step == 3
+    assert all(row["tools/call_frequency"] == 1.0 for row in train_logs(trainer))
+    assert max(row["async/staleness_max"] for row in train_logs(trainer)) == 1.0
+    if kind == "environments":
+        assert all(counts == [2] * len(counts) for counts in seen[1::2])  # each episode's own, reset instance
+
+
+def test_vision_rows_train_at_staleness_1(tmp_path):
+    import test_vision as tv
+
+    trainer = tv.trainer_for(
+        tmp_path, tv.dataset("parts"), family="qwen2_vl", max_staleness=1, max_steps=3, learning_rate=1e-2,
+        rollout_engine="loop",
+    )  # fmt: skip
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    assert max(row["async/staleness_max"] for row in train_logs(trainer)) == 1.0

@@ -115,3 +115,11 @@ def test_launch_count_counts_a_launch_per_kernel_and_host_syncs_apart():
     counts = launch_count.tally(prof.events())
     assert counts["loss fwd+bwd"] == {"aten::copy_": 1, "aten::add": 1, "aten::sum": 1, "host syncs": 1}
     assert counts["optimizer and rest"] == {"aten::_foreach_add_": 1} and not counts["no-grad log-probs"]
+
+
+def test_the_async_benchmark_prints_its_table_on_a_tiny_model():
+    result = run_script("benchmarks/async_overlap.py", "--tiny", "--steps", "3", "--tokens", "8", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| latency", "| compute"))]
+    assert [row.split("|")[3].strip() for row in rows] == ["0", "1", "0", "1", "2"]  # max_staleness per row
+    assert all(float(row.split("|")[4]) > 0 for row in rows)  # steps per second
