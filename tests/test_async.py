@@ -370,7 +370,10 @@ def test_tool_episodes_train_at_staleness_1(tmp_path, kind):
     tokenizer = tt.tool_tokenizer()
     name = "add" if kind == "tools" else "bump"
     arguments = {"a": 1, "b": 2} if kind == "tools" else {"by": 2}
-    tt.scripted(lambda context, row: "Answer: 3<|im_end|>" if "<tool_response>" in context else tt.call(name, **arguments), tokenizer)  # noqa: E501
+    tt.scripted(
+        lambda context, row: "Answer: 3<|im_end|>" if "<tool_response>" in context else tt.call(name, **arguments),
+        tokenizer,
+    )  # noqa: E501
     seen = []
 
     def reward(completions, **kwargs):
