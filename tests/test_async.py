@@ -404,3 +404,36 @@ def test_vision_rows_train_at_staleness_1(tmp_path):
     trainer.train()
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
     assert max(row["async/staleness_max"] for row in train_logs(trainer)) == 1.0
+
+
+def test_evaluation_pauses_the_producer(tmp_path, monkeypatch):
+    """An evaluation during a run at max_staleness 1 samples with the run's own sampler while no producer batch is
+    under way, then training goes on."""
+    from grpo_hf.rollout.sampler import Sampler
+
+    original, events = Sampler.sample, []
+
+    def sample(self, prompts, columns):
+        thread = threading.current_thread().name
+        events.append(("start", thread))
+        try:
+            return original(self, prompts, columns)
+        finally:
+            events.append(("end", thread))
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    from conftest import make_dataset
+
+    settings = {**TRAINING, "max_steps": 4, "rollout_engine": "loop", "max_staleness": 1}
+    args = tiny_run_args(tmp_path, settings, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = make_trainer(args, eval_dataset=make_dataset(2))
+    trainer.train()
+    assert trainer.state.global_step == 4 and any("eval_loss" in row for row in trainer.state.log_history)
+    in_flight = set()
+    for kind, thread in events:  # no evaluation sampling while a producer batch is being sampled, and the reverse
+        if kind == "start":
+            assert not in_flight, (thread, in_flight)
+            in_flight.add(thread)
+        else:
+            in_flight.discard(thread)
+    assert {"MainThread", "grpo_hf-producer"} <= {thread for _, thread in events}
