@@ -8,7 +8,9 @@ sharded checkpoint as if unbroken; `save_model` writes a model that loads.
 The ZeRO tests need the optional extra `pip install deepspeed` and are skipped without it.
 """
 
+import importlib
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +80,14 @@ def test_deepspeed_zero_trains_the_model_ddp_trains(results, stage):
     assert torch.allclose(zero["ref_logps"], ddp["ref_logps"], rtol=0, atol=1e-5)
     trained, loaded = results[f"saved_zero{stage}"]
     assert torch.allclose(loaded, trained, rtol=0, atol=1e-6)
+
+
+@needs_deepspeed
+def test_zero2_trains_at_max_staleness_1(results):
+    """Asynchronous GRPO under ZeRO-2: each process's producer samples from its own whole copy of the policy."""
+    run, ddp = results["cases"]["beta"]["zero2_async"], results["cases"]["beta"]["ddp"]
+    assert run["async/staleness_max"] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(loss) for loss in run["loss"]) and run["loss"] != ddp["loss"]  # other batches: stale
 
 
 @needs_deepspeed

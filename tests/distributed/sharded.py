@@ -172,7 +172,7 @@ def count_generation_gathers(trainer: GRPOTrainer) -> list[int]:
 
 def history(trainer: GRPOTrainer) -> dict[str, list[float]]:
     rows = [h for h in trainer.state.log_history if "loss" in h]
-    return {key: [h.get(key, 0.0) for h in rows] for key in ("loss", "reward", "kl")}
+    return {key: [h.get(key, 0.0) for h in rows] for key in ("loss", "reward", "kl", "async/staleness_max")}
 
 
 def is_sharded(param: torch.Tensor) -> bool:
@@ -338,6 +338,10 @@ def main(out_path: str, killed_dir: Path) -> None:
             saved = saved_model_logits(run.pop("trainer"), out_dir / f"final-zero{stage}", False)
             results[f"saved_zero{stage}"] = saved
             results["cases"]["beta"][f"zero{stage}"] = run
+        LAYOUTS["zero2_async"] = {**zero(2), "max_staleness": 1}  # the producer's copy of a ZeRO-2 policy
+        run = train_case("beta", "zero2_async", out_dir)
+        run.pop("trainer")
+        results["cases"]["beta"]["zero2_async"] = run
         results["zero3_no_gather"] = zero3_without_gathering(out_dir)
     if torch.distributed.get_rank() == 0:
         torch.save(copy.deepcopy(results), out_path)
