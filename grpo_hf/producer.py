@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -99,8 +100,10 @@ class WeightSnapshot:
         with self._lock:
             if version > self.version:
                 tensors, ready = self._staged.pop(version)
-                if ready is not None:
+                if ready is not None:  # staged on the trainer's stream, read on the producer's
                     torch.cuda.current_stream().wait_event(ready)
+                    for tensor in tensors:
+                        tensor.record_stream(torch.cuda.current_stream())
                 with torch.no_grad():
                     torch._foreach_copy_(self._tensors(self.model), tensors)
                 self.version = version
@@ -274,6 +277,8 @@ class Producer:
                     version = self.snapshot.load(admit_at)
                     with _seeded(seed, self.stream):
                         sampled = self.sample(rows)
+                    if self.stream is not None:  # the scorer and the trainer read it on their own streams
+                        self.stream.synchronize()
                 except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
                     self._failed(k, error)
                     return
@@ -316,6 +321,23 @@ def _seeded(seed: int | None, stream):
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def _record_stream(value: Any, stream) -> None:
+    """Every CUDA tensor in `value` (dataclasses, lists, tuples, dicts) marked as used on `stream`, so that the caching
+    allocator does not hand its memory to the producer's stream while `stream` may still read it."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _record_stream(getattr(value, field.name), stream)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _record_stream(item, stream)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_stream(item, stream)
 
 
 def batch_seed(seed: int, k: int, process_index: int) -> int:
@@ -392,6 +414,8 @@ class AsyncRollouts:
         """Generation batch k's micro-batches, for the policy at `version` (its optimizer steps)."""
         start = time.monotonic()
         handed = self.producer.take(k)
+        if self.accelerator.device.type == "cuda":  # made on the producer's stream: freed after this stream's use
+            _record_stream(handed.produced, torch.cuda.current_stream())
         now = time.monotonic()
         elapsed, waited, self.last_take = max(now - self.last_take, 1e-9), now - start, now
         local = torch.tensor([float(version - handed.version)], device=self.accelerator.device)
