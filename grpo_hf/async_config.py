@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from grpo_hf.config import _USED_AS, GRPOConfig
+from grpo_hf.config import _USED_AS, GRPOConfig, _check_int
 from grpo_hf.core import check_choice
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ IGNORED_FIELDS: dict[str, str] = {
     "max_staleness optimizer steps ahead of the trainer",
     "queue_maxsize": "admission control keeps the producer at most max_staleness optimizer steps ahead, which bounds "
     "what waits to be trained",
-    "weight_sync_steps": "the producer samples each generation batch with the newest weights the trainer published, "
-    "after every optimizer step",
+    "weight_sync_steps": "the trainer publishes its weights at every optimizer step, and the producer samples each "
+    "generation batch with the weights of exactly max_staleness steps before the batch is trained on",
     "heartbeat_stale_after_s": "generation runs in a thread of the training process: its error stops training, and a "
     "trainer kept waiting for a batch warns after 300 s, naming what the producer is doing",
 }
@@ -214,10 +214,3 @@ TRL_ASYNC_SAME_MEANING: dict[str, Any] = {
     # leaving vllm_server_host and vllm_server_port in force.
     "vllm_server_base_url": "http://localhost:8000",
 }
-
-
-def _check_int(name: str, value: Any, minimum: int | None, meaning: str) -> None:
-    """`value` is an int (not a bool) >= `minimum` (None: any int); the message says what the field counts."""
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"{name}={value!r} must be an int{bound}: {meaning}.")

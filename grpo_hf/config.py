@@ -591,11 +591,8 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             )
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout={self.tool_timeout} must be > 0 seconds (or None for no limit).")
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(
-                f"max_staleness={self.max_staleness!r} must be an int >= 0: how many optimizer steps older than the "
-                "trained policy the weights that sampled a batch may be (0: synchronous GRPO)."
-            )
+        meaning = "how many optimizer steps older than the trained policy the weights that sampled a batch may be"
+        _check_int("max_staleness", self.max_staleness, 0, f"{meaning} (0: synchronous GRPO)")
 
     def _check_temperature(self) -> None:
         """temperature > 0, and a warning when it is so low that the groups and the log-probs degenerate."""
@@ -898,3 +895,10 @@ def config_or_default(args: GRPOConfig | None, model) -> GRPOConfig:
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a GRPOConfig, got {type(args).__name__}.")
     return args
+
+
+def _check_int(name: str, value: Any, minimum: int | None, meaning: str) -> None:
+    """`value` is an int (not a bool) >= `minimum` (None: any int); the message says what the field counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{name}={value!r} must be an int{bound}: {meaning}.")

@@ -4,31 +4,34 @@ trains on them.
 
 The pieces, each in one class:
 
-- `WeightSnapshot`: the producer's own copy of the policy (the model's dtype, eval mode, no gradients). After each
-  optimizer step the main thread stages a copy of the new weights (`stage`); the producer loads the newest staged
-  weights before it starts a generation batch (`load`), so a batch is sampled by one version of the weights, and a
-  batch never sees weights change under it. Version = optimizer steps taken.
+- `WeightSnapshot`: the producer's own copy of the policy (the model's dtype, eval mode, no gradients). At the start
+  of each optimizer step the main thread stages a copy of the weights the policy has reached (`stage`); before a
+  generation batch the producer loads exactly the version that batch is sampled by (`load`), so a batch is sampled
+  by one version of the weights, and never sees them change under it. Version = optimizer steps taken.
 - `Lookahead`: the dataloader's batches, read ahead of Trainer's loop (`Trainer.get_batch_samples`), so that the
   producer gets the prompts of the next generation batches in the order the synchronous run reads them.
 - `Producer`: the thread. It takes generation batch k once its prompts were read and the policy has taken
-  `admit_at(k)` = (optimizer steps before batch k is trained) - `max_staleness` steps (admission control, AReaL's),
-  samples and scores it (`ExperienceMaker.produce`: nothing collective; the main thread gathers, computes the
-  advantages and the log-probs), and hands it over with the version that sampled it. No sample is ever dropped for
-  being stale: admission bounds the staleness instead.
+  `steps_before(k) - max_staleness` optimizer steps (admission control, AReaL's), samples it with that version's
+  weights (`ExperienceMaker.sample_round`: nothing collective; the main thread gathers, computes the advantages and
+  the log-probs), and hands it over, scored (`score_round`; with `pipelined`, in a scorer thread while the next
+  batch is sampled), with the version that sampled it. No sample is ever dropped for being stale: admission bounds
+  the staleness instead.
 - `AsyncRollouts`: the trainer's side: reads ahead and submits, takes batch k (`train_batches`), checks and logs its
   staleness (`async/staleness_mean`, `async/staleness_max`) and the fractions of wall time the trainer waited for
   samples (`async/trainer_wait_fraction`) and the producer waited for admission (`async/producer_wait_fraction`),
-  publishes the weights after each optimizer step, pauses the producer for evaluation and stops it at the end.
+  publishes the weights at the start of each optimizer step, pauses the producer for evaluation and stops it at the
+  end. `Producing` is the trainer mixin that calls it.
 
 Faults: whatever the producer raises is raised on the main thread when the trainer takes that batch (training stops
-with it); a trainer that has waited `STALL_WARNING_SECONDS` for a batch warns, naming what the producer is doing;
-`close` (end of `train()`, an exception, Ctrl-C) stops the thread after the call it is in and drops its copy of the
-weights.
+with it); a trainer that has waited `STALL_WARNING_SECONDS` for a batch warns, naming what the producer's threads
+are doing; `close` (end of `train()`, an exception, Ctrl-C) stops them after the calls they are in and drops the
+copy of the weights.
 
-Randomness: the producer samples from torch's global generator, as the synchronous run does. At `max_staleness` 0
-the producer and the trainer take turns, so the draws come in the synchronous run's order and the run is the
-synchronous run's, bit for bit (tests/test_async.py). At `max_staleness` > 0 the producer is the only one drawing
-while training runs (unless the model itself draws in training: dropout), so a seed gives one run.
+Randomness: at `max_staleness` 0 the producer samples from torch's global generator as it stands, as the synchronous
+run does: the producer and the trainer take turns, so the draws come in the synchronous run's order and the run is
+the synchronous run's, bit for bit (tests/test_async.py). Above 0 each batch draws from a seed of its own
+(`batch_seed`: the run's seed, the batch, the process), so a seed gives one run whatever the threads' timing (unless
+the model itself draws while it trains: dropout).
 """
 
 from __future__ import annotations
@@ -244,10 +247,6 @@ class Producer:
         if self._scorer is not None:
             self._scorer.shutdown(wait=False, cancel_futures=True)
         self.snapshot = None
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     @property
     def doing(self) -> str:

@@ -10,17 +10,11 @@ import pytest
 import torch
 from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
 
-from grpo_hf import GRPOTrainer
+from grpo_hf import AsyncGRPOTrainer
 from grpo_hf import producer as producer_module
 
 # Keys whose values depend on the wall clock or exist only with a producer.
 _CLOCK = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "async/")
-
-
-class ProducingGRPOTrainer(GRPOTrainer):
-    """The producer thread at max_staleness 0 (as `AsyncGRPOTrainer` runs it), taking turns with the trainer."""
-
-    _produce_always = True
 
 
 def run(tmp_path, name, trainer_cls=None, reward=None, **overrides):
@@ -38,7 +32,7 @@ def comparable(logs):
 
 def test_the_producer_at_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path):
     synchronous = run(tmp_path, "sync")
-    produced = run(tmp_path, "async", trainer_cls=ProducingGRPOTrainer)
+    produced = run(tmp_path, "async", trainer_cls=AsyncGRPOTrainer)
     for (name, a), (_, b) in zip(synchronous.model.named_parameters(), produced.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert comparable(train_logs(produced)) == comparable(train_logs(synchronous))
@@ -204,7 +198,7 @@ def checkpointed(output_dir, staleness: int):
 
     trainer = checkpointed_trainer(output_dir, max_staleness=staleness, rollout_engine="loop")
     if staleness == 0:
-        trainer.__class__ = ProducingGRPOTrainer
+        trainer.__class__ = AsyncGRPOTrainer
     return trainer
 
 
@@ -327,7 +321,7 @@ def test_lora_at_staleness_0_is_the_synchronous_run_and_trains_at_1(tmp_path):
         return trainer, before
 
     synchronous, _ = lora_run("sync")
-    produced, _ = lora_run("producer", trainer_cls=ProducingGRPOTrainer)
+    produced, _ = lora_run("producer", trainer_cls=AsyncGRPOTrainer)
     for (name, a), (_, b) in zip(synchronous.model.named_parameters(), produced.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     stale, before = lora_run("stale", max_staleness=1)

@@ -16,11 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 
 from conftest import TRAINING, exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
-from grpo_hf import GRPOTrainer  # noqa: E402
-
-
-class ProducingGRPOTrainer(GRPOTrainer):
-    _produce_always = True
+from grpo_hf import AsyncGRPOTrainer, GRPOTrainer  # noqa: E402
 
 
 def run(out_dir: Path, trainer_cls, **overrides) -> dict:
@@ -37,7 +33,7 @@ def main(out_path: str) -> None:
     out = Path(out_path).parent
     results = {
         "sync": run(out / "sync", GRPOTrainer),
-        "producer0": run(out / "producer0", ProducingGRPOTrainer),
+        "producer0": run(out / "producer0", AsyncGRPOTrainer),
         "stale1": run(out / "stale1", GRPOTrainer, max_staleness=1),
     }
     if results["sync"]["main"]:
