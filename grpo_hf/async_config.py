@@ -149,8 +149,8 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.vllm_server_base_url is not None and not (self.use_vllm and self.vllm_mode == "server"):
             ignored["vllm_server_base_url"] = (
                 f"the rollouts are sampled by this process's rollout engine (rollout_engine={self.rollout_engine!r}), "
-                "not on a vLLM server: use_vllm=True with vllm_mode='server' samples on one, with max_staleness=0 in "
-                "GRPOTrainer (docs/async.md: the producer does not take vLLM yet)"
+                "not on a vLLM server: use_vllm=True with vllm_mode='server' samples on one (the producer sends its "
+                "requests there, docs/async.md)"
             )
         return ignored
 

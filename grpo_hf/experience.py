@@ -135,9 +135,10 @@ class ExperienceMaker:
         """`train_batches` of a generation batch the producer sampled and scored (`producer.Producer`), by weights
         `staleness` optimizer steps older than the policy now. Stale rows keep the sampler's own log-probs: the
         loss weighs them by pi_prox / pi_behaviour (decoupled PPO, `objective.sampling_weight`), pi_prox being the
-        policy now (the old log-probs' path); fresh ones (staleness 0) are exactly the synchronous run's rows."""
+        policy now (the old log-probs' path); fresh ones (staleness 0) are exactly the synchronous run's rows (which
+        keep vLLM's log-probs, for its own correction)."""
         rollout = self.finish_round(produced, self.args.num_generations, self.metrics["train"])
-        if staleness == 0:
+        if staleness == 0 and not self.args.use_vllm:
             rollout.sampling_logps = None
         elif rollout.sampling_logps is None:
             raise RuntimeError(

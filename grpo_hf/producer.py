@@ -8,6 +8,9 @@ The pieces, each in one class:
   of each optimizer step the main thread stages a copy of the weights the policy has reached (`stage`); before a
   generation batch the producer loads exactly the version that batch is sampled by (`load`), so a batch is sampled
   by one version of the weights, and never sees them change under it. Version = optimizer steps taken.
+- `ServerWeights`: in its place with a vLLM server, which holds the producer's weights: the main threads push each
+  version at the start of its optimizer step, once no batch is being sampled, and a batch is sampled by the newest
+  version pushed when it started (at least its admission version).
 - `Lookahead`: the dataloader's batches, read ahead of Trainer's loop (`Trainer.get_batch_samples`), so that the
   producer gets the prompts of the next generation batches in the order the synchronous run reads them.
 - `Producer`: the thread. It takes generation batch k once its prompts were read and the policy has taken
@@ -116,6 +119,12 @@ class WeightSnapshot:
                 del self._staged[older]
             return self.version
 
+    @contextlib.contextmanager
+    def sampling(self, version: int):
+        """Producer thread, around a generation batch's sampling: the weights of `version` loaded (`load`); yields the
+        version the copy holds."""
+        yield self.load(version)
+
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
         """The weights of every version from `version` on that the copy holds or has staged, on the CPU (what a
         checkpoint keeps for the batches not yet sampled)."""
@@ -124,6 +133,48 @@ class WeightSnapshot:
             if self.version >= version:
                 held[self.version] = self._tensors(self.model)
             return {v: [t.detach().cpu().clone() for t in tensors] for v, tensors in sorted(held.items())}
+
+
+class ServerWeights:
+    """The weights a vLLM server samples with (`vllm_mode="server"`), in `WeightSnapshot`'s place: no copy in this
+    process. The main threads push each version to the server as the policy reaches it (`stage`: process 0 writes,
+    every process takes part, as in the synchronous run), while no generation batch of this process is under way
+    (`sampling` holds a lock that `stage` waits for, and the processes meet before the push). So each batch is sampled
+    by one version, the newest pushed when it started: at least the version it was admitted at (pushed before the
+    producer is told of it), perhaps newer (a producer behind the trainer, or after an evaluation, which pushes the
+    current weights with the run's own engine: then the batch's recorded version understates its freshness, never
+    overstates it)."""
+
+    def __init__(self, model: nn.Module, version: int, accelerator):
+        self.model, self.version, self.accelerator = model, version, accelerator
+        self.engine = None
+        self._lock = threading.Lock()
+
+    def attach(self, engine) -> None:
+        """The producer's vLLM engine (main thread): its server client, which sends this process's own requests, made
+        and given the policy's weights now."""
+        self.engine = engine
+        engine.start(self.model, per_process=True)
+
+    def stage(self, version: int) -> None:
+        """Main thread, once the policy reached `version`: pushed to the server, once no batch is under way here."""
+        with self._lock:
+            if self.accelerator.num_processes > 1:
+                self.accelerator.wait_for_everyone()  # no process's producer is sampling during the push
+            self.engine.push_seconds.append(self.engine.backend.push(self.model))
+            self.version = version
+
+    @contextlib.contextmanager
+    def sampling(self, version: int):
+        """Producer thread, around a generation batch's sampling: no push meanwhile; yields the version the server
+        holds (`version` or newer)."""
+        with self._lock:
+            yield self.version
+
+    def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
+        """Nothing to keep in a checkpoint: a resumed run pushes its own weights, which every batch may be sampled by
+        (they are at least as new as any the batches were admitted at)."""
+        return {}
 
 
 class Lookahead:
@@ -273,8 +324,7 @@ class Producer:
                     rows, admit_at, seed = self._requests.pop(k)
                     self._busy, self._doing["sampler"] = self._busy + 1, f"sampling generation batch {k}"
                 try:
-                    version = self.snapshot.load(admit_at)
-                    with _seeded(seed, self.stream):
+                    with self.snapshot.sampling(admit_at) as version, _seeded(seed, self.stream):
                         sampled = self.sample(rows)
                     if self.stream is not None:  # the scorer and the trainer read it on their own streams
                         self.stream.synchronize()
@@ -347,15 +397,19 @@ def batch_seed(seed: int, k: int, process_index: int) -> int:
 
 def async_unsupported_reason(args, *, sharded: bool, rollout_func: bool) -> str | None:
     """Why `max_staleness` > 0 cannot run with these settings, or None."""
-    if args.use_vllm:
+    server = args.use_vllm and args.vllm_mode == "server"
+    if args.use_vllm and not server:
         return (
-            "vLLM holds its own copy of the weights, which the producer thread does not update yet: use grpo_hf's own "
-            "engines (rollout_engine='auto', 'loop', 'generate') with max_staleness > 0, or max_staleness=0 with vLLM"
+            "vLLM in colocate mode shares this process (and its GPU memory) with the trainer, and its weights cannot "
+            "change while the producer thread samples: use vllm_mode='server' (a vLLM server takes the weights "
+            "after each optimizer step), grpo_hf's own engines (rollout_engine='auto', 'loop', 'generate'), or "
+            "max_staleness=0 with colocate"
         )
-    if sharded:
+    if sharded and not server:
         return (
             "under FSDP or DeepSpeed ZeRO-3 each process holds a shard of the weights, and the producer needs a whole "
-            "copy: use DDP or ZeRO-2 with max_staleness > 0, or max_staleness=0"
+            "copy: use DDP or ZeRO-2, or a vLLM server (use_vllm=True, vllm_mode='server': the weights are gathered "
+            "for it on the main threads), with max_staleness > 0; or max_staleness=0"
         )
     if rollout_func:
         return "a rollout_func samples with the trainer's own model, not the producer's copy: use max_staleness=0"
@@ -372,17 +426,22 @@ class AsyncRollouts:
     def __init__(self, args, accelerator, experience, make_sampler, model: nn.Module, version: int, saved=None):
         self.args, self.accelerator, self.experience = args, accelerator, experience
         self.per_batch = args.steps_per_generation * args.num_iterations  # micro-steps a generation batch serves
-        on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
-        self.snapshot = WeightSnapshot(model, version, on_load, saved)
-        self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
-        stream = torch.cuda.Stream() if accelerator.device.type == "cuda" else None
+        if args.use_vllm:  # a vLLM server (colocate is refused): it holds the producer's weights
+            self.snapshot = ServerWeights(model, version, accelerator)
+            self.sampler = make_sampler(model)  # its engine reads the policy's config only
+            self.snapshot.attach(self.sampler.engine_for(model))
+        else:
+            on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
+            self.snapshot = WeightSnapshot(model, version, on_load, saved)
+            self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
+        stream = torch.cuda.Stream() if accelerator.device.type == "cuda" and not args.use_vllm else None
         sample = lambda rows: experience.sample_round(rows, self.sampler)  # noqa: E731
         # Rewards of one batch while the next is sampled, unless environments are reused by the next batch while
         # the rewards of this one read them
         pipelined = args.max_staleness > 0 and self.sampler.environments is None
         self.producer = Producer(sample, experience.score_round, self.snapshot, version, stream, pipelined)
         self.published = version
-        if saved and version not in saved:  # the policy's own weights, for the batches after the saved versions'
+        if saved and version not in saved and not args.use_vllm:  # the policy's own, for the later batches
             self.snapshot.stage(version)
         self.lookahead = Lookahead()
         self.last_take = time.monotonic()

@@ -66,20 +66,23 @@ def server(tmp_path_factory, tokenizer):
         log.close()
 
 
-def _train(tmp_path, server, num_processes, layout="ddp"):
+def _train(tmp_path, server, num_processes, layout="ddp", staleness="sync"):
     url, model_dir = server
-    prefix = tmp_path / f"run{num_processes}-{layout}"
+    prefix = tmp_path / f"run{num_processes}-{layout}-{staleness}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [*command, str(SCRIPT), str(prefix), url, str(model_dir), layout],
+        [*command, str(SCRIPT), str(prefix), url, str(model_dir), layout, str(staleness)],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
+    results = [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
+    for rank, result in enumerate(results):
+        result["params"] = torch.load(f"{prefix}-{rank}.pt")
+    return results
 
 
 @pytest.mark.parametrize(("num_processes", "layout"), [(1, "ddp"), (2, "ddp"), (2, "fsdp2")])
@@ -96,6 +99,41 @@ def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_row
         assert result["pushes"] == 3
         assert len(result["losses"]) == 2
         assert result["sharded"] == (layout == "fsdp2")
+
+
+def _clockless(logs):
+    return [{k: v for k, v in row.items() if not any(w in k for w in ("wait", "time", "seconds"))} for row in logs]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_the_producer_at_staleness_0_samples_from_the_server_as_the_synchronous_run(tmp_path, server, num_processes):
+    """AsyncGRPOTrainer at max_staleness=0 (its producer thread sends each process's own requests and the main
+    threads push the weights) against GRPOTrainer (process 0 sends everyone's): the same parameters, bit for bit,
+    and the same logs after 3 steps. Each request carries a seed drawn from the process's generator, so what the
+    server samples does not depend on who sent it or with which other requests."""
+    synchronous = _train(tmp_path, server, num_processes, staleness="sync-3")
+    produced = _train(tmp_path, server, num_processes, staleness=0)
+    for sync, prod in zip(synchronous, produced, strict=True):
+        assert sync["params"].keys() == prod["params"].keys()
+        for name, value in sync["params"].items():
+            assert torch.equal(value, prod["params"][name]), name
+        assert _clockless(prod["logs"]) == [
+            {**row, "async/staleness_mean": 0.0, "async/staleness_max": 0.0} for row in _clockless(sync["logs"])
+        ]
+        assert prod["producer_pushes"] == [1, 2]  # at the start of steps 2 and 3 (the first push: at the start)
+
+
+@pytest.mark.parametrize(("num_processes", "layout"), [(1, "ddp"), (2, "ddp"), (2, "fsdp2")])
+def test_the_producer_samples_from_the_server_one_step_behind(tmp_path, server, num_processes, layout):
+    """max_staleness=1 with a server, under DDP and FSDP2 (whose weights the main threads gather for the push): the
+    producer runs one step ahead, every batch within the bound and the later ones one step stale, the weights of each
+    step pushed once, and the trained weights on the server at the end (greedy completions equal the model's)."""
+    for result in _train(tmp_path, server, num_processes, layout, staleness=1):
+        assert result["equal"] and result["tokens"] > 0
+        assert result["producer_pushes"] == [1, 2]
+        stalenesses = [row["async/staleness_max"] for row in result["logs"]]
+        assert max(stalenesses) == 1.0 and all(0.0 <= s <= 1.0 for s in stalenesses)
+        assert all(torch.isfinite(torch.tensor(row["loss"])) for row in result["logs"])
 
 
 SERVER_MODE = dict(use_vllm=True, vllm_mode="server", use_cpu=True)

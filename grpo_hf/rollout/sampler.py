@@ -142,6 +142,7 @@ class Sampler:
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
         self.record_logps = record_logps  # the engine records its log-probs (`RolloutEngine.record_logps`)
+        self.gathers = True  # a sharded policy's weights are gathered for the rollout (False: `for_model`)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
@@ -340,10 +341,13 @@ class Sampler:
         )
 
     def for_model(self, model: nn.Module) -> Sampler:
-        """A sampler like this one that decodes `model` (the async producer's copy of the weights, `grpo_hf.producer`)
-        with an engine of its own that records its log-probs: the same settings, tools and environments."""
+        """A sampler like this one that decodes `model` (the async producer's copy of the weights, or the policy whose
+        weights a vLLM server holds: `grpo_hf.producer`) with an engine of its own that records its log-probs: the
+        same settings, tools and environments. It never gathers sharded weights (a collective call, which the
+        producer's thread must not make): a copy is whole, and a server's engine reads only the policy's config."""
         other = copy.copy(self)
         other.wrapped, other.engine, other.lora_decode, other.record_logps = (lambda: model), None, None, True
+        other.gathers = False
         return other
 
     def _vocab_size(self) -> int:
@@ -416,7 +420,9 @@ class Sampler:
         Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
         """
         wrapped = self.wrapped()
-        if is_zero3(self.accelerator):
+        if not self.gathers:  # `for_model`'s
+            yield wrapped
+        elif is_zero3(self.accelerator):
             from trl.models.utils import unwrap_model_for_generation
 
             gather = self.args.ds3_gather_for_generation  # False: each layer gathered as it runs

@@ -8,8 +8,9 @@ trainer keeps as `sampling_logps` for the importance-sampling correction (`core.
 - colocate (`VLLMColocate`): a `vllm.LLM` in each training process, on the trainer's device, seeded with
   `seed + process_index`; the weights go in through `collective_rpc("reload_weights", weights_iterator=...)`.
 - server (`grpo_hf.rollout.vllm_server.VLLMServer`): process 0 sends every process's prompts to the server's
-  OpenAI completions route and hands each process its rows; it pushes the weights as safetensors shards in a
-  directory the server can read, then `/collective_rpc` `reload_weights(weights_path=...)`.
+  OpenAI completions route and hands each process its rows (the asynchronous producer's engine, `start(...,
+  per_process=True)`, sends each process's own); it pushes the weights as safetensors shards in a directory the
+  server can read, then `/collective_rpc` `reload_weights(weights_path=...)`.
 
 `close()` (called at the end of `train()`) releases vLLM, leaving nothing of it alive (`_release`); the next rollout
 starts it again. Colocate mode starts vLLM untied when the trainer trains a tied head and embeddings apart
@@ -40,12 +41,10 @@ from grpo_hf.core import prompt_runs
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
-from grpo_hf.rollout.vllm_server import check_not_cut
+from grpo_hf.rollout.vllm_server import MAX_N, check_not_cut
 from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
-
-MAX_N = 4096  # completions per vLLM request (vLLM refuses n > 16384 by default)
 
 
 class VLLMEngine(RolloutEngine):
@@ -81,6 +80,14 @@ class VLLMEngine(RolloutEngine):
             self.backend.close()
         self.backend, self.stale = None, True
 
+    def start(self, model, per_process: bool = False) -> None:
+        """Make the backend and push the weights (main threads: both may be collective). `per_process`: a server
+        client whose requests are each process's own (the asynchronous producer's, `producer.ServerWeights`, which
+        pushes the weights itself after this first push)."""
+        self.backend = self._make_backend(model, per_process)
+        self.push_seconds.append(self.backend.push(model))
+        self.stale = False
+
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         if self.backend is None:
             self.backend = self._make_backend(model)
@@ -108,7 +115,7 @@ class VLLMEngine(RolloutEngine):
         completion_ids, self.sampling_logps = pad_rows(rows, self.generation_config.pad_token_id, prompt_ids.device)
         return completion_ids
 
-    def _make_backend(self, model):
+    def _make_backend(self, model, per_process: bool = False):
         if self.args.vllm_mode == "server":
             from grpo_hf.rollout.vllm_server import VLLMServer
 
@@ -121,7 +128,7 @@ class VLLMEngine(RolloutEngine):
                     "LoraConfig (one trained copy), or start the server from a checkpoint saved with "
                     "tie_word_embeddings=False."
                 )
-            return VLLMServer(self.args, self.accelerator, self.eos_token_ids)
+            return VLLMServer(self.args, self.accelerator, self.eos_token_ids, per_process)
         return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
 
 

@@ -10,7 +10,13 @@ where its native weight transfer (NCCL, CUDA IPC) does not exist.
 
 With several training processes, process 0 gathers every process's prompts, sends them, and hands each process its
 own rows back; a failure on process 0 (server gone, timeout, HTTP error) stops every process with its message
-(`parallel.stop_together`) instead of leaving the others waiting.
+(`parallel.stop_together`) instead of leaving the others waiting. The asynchronous producer's client
+(`per_process=True`, `grpo_hf.producer.ServerWeights`) sends each process's own prompts instead: it runs in a thread
+that makes no collective call; its weights are still pushed by process 0, from the main threads.
+
+Each prompt's request carries a seed drawn from torch's global generator on the process the prompt is from
+(`request_seeds`), so that what the server samples depends on the run's seed and the prompt, not on which requests
+the server batched together, nor on what it sampled before (vLLM gives each seeded request a generator of its own).
 """
 
 from __future__ import annotations
@@ -26,25 +32,30 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from grpo_hf.parallel import stop_together
 from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (0, 32)  # reload_weights(weights_path=...) through /collective_rpc, as tested here
+MAX_N = 4096  # completions per request (vLLM refuses n > 16384 by default)
 SHARD_BYTES = 1 << 30  # weights per safetensors shard: process 0 holds at most one shard's copy at a time
 
 
 class VLLMServer:
     """A client of one `vllm serve`: checks it at start-up, generates for every process, pushes weights (process 0)."""
 
-    def __init__(self, args, accelerator, eos_token_ids):
-        self.args, self.accelerator = args, accelerator
+    def __init__(self, args, accelerator, eos_token_ids, per_process: bool = False):
+        """`per_process`: `generate` sends this process's prompts itself, with no collective call (the asynchronous
+        producer's thread); `push` stays collective."""
+        self.args, self.accelerator, self.per_process = args, accelerator, per_process
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
         self.timeout = args.vllm_server_timeout
         self.is_main = accelerator is None or accelerator.is_main_process
         self.model_id, self.context_window, failure = None, None, None
-        if self.is_main:
+        if self.is_main or per_process:  # the processes that send requests (built on the main threads)
             try:
                 self.model_id = self.connect()
             except Exception as error:  # every process stops with it (`stop_together`)
@@ -145,14 +156,17 @@ class VLLMServer:
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
         """Every process's prompts (each with its number of completions) -> this process's rows (token ids,
-        log-probs, vLLM's finish reason), in order."""
-        shares = self._gather((prompts, counts))
+        log-probs, vLLM's finish reason), in order. `per_process`: this process's prompts only, sent by itself."""
+        seeds = request_seeds(len(prompts))
+        if self.per_process:
+            rows = self.complete(prompts, counts, seeds, settings)
+            check_not_cut(rows, settings["max_tokens"], self.context_window)
+            return rows
+        shares = self._gather((prompts, counts, seeds))
         results, failure = None, None
         if self.is_main:
             try:
-                results = [
-                    self.complete(share_prompts, share_counts, settings) for share_prompts, share_counts in shares
-                ]
+                results = [self.complete(*share, settings) for share in shares]
                 for rows in results:  # here, so that every process stops with the message
                     check_not_cut(rows, settings["max_tokens"], self.context_window)
             except Exception as error:
@@ -160,21 +174,21 @@ class VLLMServer:
         self._together(failure, "generating with the vLLM server")
         return self._scatter(results)
 
-    def complete(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
-        """One completions request per prompt (sent together: the server batches them)."""
+    def complete(self, prompts: list[list[int]], counts: list[int], seeds: list[int], settings: dict[str, Any]):
+        """One completions request per prompt, with its seed (sent together: the server batches them)."""
         body = {**settings, "model": self.model_id, "logprobs": 0, "return_token_ids": True}
         body["skip_special_tokens"] = False
 
-        def one(prompt_and_count):
-            prompt, n = prompt_and_count
-            answer = self.request("/v1/completions", {**body, "prompt": prompt, "n": n})
+        def one(request):
+            prompt, n, seed = request
+            answer = self.request("/v1/completions", {**body, "prompt": prompt, "n": n, "seed": seed})
             rows = []
             for choice in sorted(answer["choices"], key=lambda c: c["index"]):
                 rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"], choice.get("finish_reason")))
             return rows
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
-            return [row for rows in pool.map(one, zip(prompts, counts, strict=True)) for row in rows]
+            return [row for rows in pool.map(one, zip(prompts, counts, seeds, strict=True)) for row in rows]
 
     # ---- processes ---------------------------------------------------------------------------------------------
     def _together(self, failure, doing):
@@ -199,6 +213,12 @@ class VLLMServer:
         box = [results]
         broadcast_object_list(box, from_process=0)
         return box[0][self.accelerator.process_index]
+
+
+def request_seeds(n: int) -> list[int]:
+    """A seed per request, drawn from torch's global generator (vLLM seeds a request's n completions seed, seed + 1,
+    ..., so the draws leave room for MAX_N of them below 2**31)."""
+    return torch.randint(0, 2**31 - 1 - MAX_N, (n,)).tolist()
 
 
 def write_shards(weights, directory: str) -> None:

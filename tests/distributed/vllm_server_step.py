@@ -1,12 +1,15 @@
 """GRPO steps with rollouts from a running `vllm serve` (vllm_mode="server"), under torchrun with 1 or 2 processes.
 
-    python tests/distributed/vllm_server_step.py OUT_PREFIX BASE_URL MODEL_DIR [fsdp2]
+    python tests/distributed/vllm_server_step.py OUT_PREFIX BASE_URL MODEL_DIR [ddp|fsdp2] [sync|sync-3|STALENESS]
 
 Trains the model saved in MODEL_DIR (the one the server started from) for 2 optimizer steps, then each process
 samples greedily from the server for prompts of its own (different on each process) and compares with its own
 `model.generate`: equal tokens mean that the trained weights reached the server and that each process got its own
 rows back. With `fsdp2`, the policy is sharded with FSDP2 (accelerate's FSDP path, let run on CPU by the sharded
-harness's patch): process 0 pushes weights gathered from the shards. Writes OUT_PREFIX-<rank>.json.
+harness's patch): process 0 pushes weights gathered from the shards. `sync-3`: the same for 3 steps at a lower
+learning rate; a STALENESS (0, 1, ...): an `AsyncGRPOTrainer` at that max_staleness instead (its producer thread
+samples from the server), as `sync-3`. Writes OUT_PREFIX-<rank>.json (with the logs and the versions the producer
+pushed) and the trained parameters in OUT_PREFIX-<rank>.pt.
 """
 
 import contextlib
@@ -23,11 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conft
 
 from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
 
+from grpo_hf import AsyncGRPOTrainer, GRPOTrainer  # noqa: E402
 from grpo_hf.parallel import fsdp2_gathered  # noqa: E402
+from grpo_hf.producer import ServerWeights  # noqa: E402
 from grpo_hf.rollout import tokenize_prompts  # noqa: E402
 
 
-def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> None:
+def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", staleness: str = "sync") -> None:
     sharding = {}
     if layout == "fsdp2":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,8 +48,8 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
-        max_steps=2,
-        learning_rate=3e-3,
+        max_steps=2 if staleness == "sync" else 3,
+        learning_rate=3e-3 if staleness == "sync" else 1e-3,
         beta=0.0,
         use_vllm=True,
         vllm_mode="server",
@@ -53,18 +58,29 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
         use_cpu=True,
         save_strategy="no",
         seed=0,
+        max_staleness=0 if staleness.startswith("sync") else int(staleness),
         **sharding,
     )
     dataset = Dataset.from_dict({"prompt": ["Hi", "2+2=", "abc", "The fox"] * 2})
-    reward = lambda completion_ids, **kw: [float(len(set(ids))) for ids in completion_ids]  # noqa: E731
-    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model)
+    reward = lambda completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids]  # noqa: E731
+    pushed = []  # the versions the producer pushed to the server (async)
+    stage = ServerWeights.stage
+    ServerWeights.stage = lambda self, version: (stage(self, version), pushed.append(version))[0]
+    trainer_cls = GRPOTrainer if staleness.startswith("sync") else AsyncGRPOTrainer
+    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=trainer_cls)
     trainer.train()
-
     rank = trainer.accelerator.process_index
+    with fsdp2_gathered(trainer.model) if layout == "fsdp2" else contextlib.nullcontext():
+        trained = {
+            name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+        }
+    torch.save(trained, f"{prefix}-{rank}.pt")
+
     prompts = [["Once upon", "Hello there"], ["Numbers: 1 2", "xyz"]][rank]  # each process its own
     prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompts)
     config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    engine = trainer.rollout
+    # the run's own engine (built here after an async run, whose producer had an engine of its own)
+    engine = trainer.rollout or trainer.experience.sampler.engine_for(trainer.accelerator.unwrap_model(trainer.model))
     engine.generation_config = config
     ours = engine.generate(trainer.model.eval(), prompt_ids, prompt_mask)
     with fsdp2_gathered(trainer.model) if layout == "fsdp2" else contextlib.nullcontext():  # per-process generate
@@ -81,6 +97,8 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
         "tokens": int(mask.sum()),
         "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),  # DTensor shards
         "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
+        "logs": [row for row in trainer.state.log_history if "loss" in row],
+        "producer_pushes": pushed,
     }
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
     exit_without_teardown()
@@ -88,4 +106,4 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp") -> Non
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
