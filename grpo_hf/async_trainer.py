@@ -4,7 +4,7 @@ It is the same trainer, built from the same arguments, with its producer thread 
 runs ahead of training by at most `args.max_staleness` optimizer steps (`AsyncGRPOConfig`: TRL's default, 4), and at
 `max_staleness=0` the producer and the trainer take turns, which is the synchronous run bit for bit. So the producer's
 limits apply at every staleness (docs/async.md names them: no vLLM colocate, no FSDP / ZeRO-3 without a vLLM server,
-no `rollout_func` or dynamic sampling yet; `GRPOTrainer` at `max_staleness=0` runs them all). The promises:
+no `rollout_func`; `GRPOTrainer` at `max_staleness=0` runs them all). The promises:
 
 - TRL's arguments, in TRL's order and with TRL's names: `model, reward_funcs, args, train_dataset,
   processing_class, callbacks, optimizers, peft_config, tools, environment_factory, rollout_worker,

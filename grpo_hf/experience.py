@@ -20,6 +20,7 @@ the metrics it records into. It never reaches back into the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -123,6 +124,8 @@ class ExperienceMaker:
         # `log_completions`: the last training rollout's rows, and the rows of the evaluation under way
         self.completion_rows: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
         self._refill_dataset = None  # the train dataset as the dataloader serves it, for dynamic sampling
+        # round -> a context around dynamic sampling's refill round (a producer's: `AsyncRollouts._refilling`)
+        self.refill_context: Callable[[int], contextlib.AbstractContextManager] | None = None
         self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
 
     # ---- a training step's micro-batches -------------------------------------------------------------------------
@@ -460,7 +463,11 @@ class ExperienceMaker:
                     self._refill_dataset = self.train_rows()
                 fresh = FreshPrompts(self._refill_dataset, self.args.seed, self.state().global_step)
             rounds += 1
-            rollout = self.rollout_round(self._fresh_inputs(fresh, pool.seen, B, G), G, self.metrics["train"])
+            inputs = self._fresh_inputs(fresh, pool.seen, B, G)
+            with self.refill_context(rounds) if self.refill_context is not None else contextlib.nullcontext():
+                rollout = self.rollout_round(inputs, G, self.metrics["train"])
+            if first.sampling_logps is None:  # a fresh batch's rows (a producer's refills record theirs)
+                rollout.sampling_logps = None
         rows, kept = pool.batch(pad)
         self._record_dynamic_sampling(pool, rounds)
         start = accelerator.process_index * B

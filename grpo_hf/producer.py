@@ -76,6 +76,7 @@ class WeightSnapshot:
         self.model.eval()
         self.version, self.on_load = version, None
         self._lock = threading.Lock()
+        self._sampling = threading.Lock()  # held by the producer's sampling, or by a refill (`exclusive`)
         self._staged: dict[int, tuple[list[torch.Tensor], Any]] = {}  # version -> (its tensors, CUDA event or None)
         if saved:
             for saved_version, tensors in saved.items():
@@ -123,7 +124,12 @@ class WeightSnapshot:
     def sampling(self, version: int):
         """Producer thread, around a generation batch's sampling: the weights of `version` loaded (`load`); yields the
         version the copy holds."""
-        yield self.load(version)
+        with self._sampling:
+            yield self.load(version)
+
+    def exclusive(self):
+        """Main thread: no generation batch is sampled meanwhile (a dynamic-sampling refill)."""
+        return self._sampling
 
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
         """The weights of every version from `version` on that the copy holds or has staged, on the CPU (what a
@@ -170,6 +176,11 @@ class ServerWeights:
         holds (`version` or newer)."""
         with self._lock:
             yield self.version
+
+    def exclusive(self):
+        """Main thread: no generation batch is sampled meanwhile (a dynamic-sampling refill, which pushes the policy's
+        weights with the run's own engine: later batches may then be sampled by newer weights than recorded)."""
+        return self._lock
 
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
         """Nothing to keep in a checkpoint: a resumed run pushes its own weights, which every batch may be sampled by
@@ -324,19 +335,20 @@ class Producer:
                     rows, admit_at, seed = self._requests.pop(k)
                     self._busy, self._doing["sampler"] = self._busy + 1, f"sampling generation batch {k}"
                 try:
-                    with self.snapshot.sampling(admit_at) as version, _seeded(seed, self.stream):
-                        sampled = self.sample(rows)
-                    if self.stream is not None:  # the scorer and the trainer read it on their own streams
-                        self.stream.synchronize()
+                    with self.snapshot.sampling(admit_at) as version:
+                        with _seeded(seed, self.stream):
+                            sampled = self.sample(rows)
+                        if self.stream is not None:  # the scorer and the trainer read it on their own streams
+                            self.stream.synchronize()
+                        with self._changed:
+                            self._next = k + 1
+                        if self._scorer is None:  # scored before anything samples again (environments: the next
+                            self._score(k, sampled, version, admission_wait)  # rows reuse the instances it reads)
                 except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
                     self._failed(k, error)
                     return
-                with self._changed:
-                    self._next = k + 1
                 if self._scorer is not None:
                     self._scorer.submit(self._score, k, sampled, version, admission_wait)
-                else:
-                    self._score(k, sampled, version, admission_wait)
 
     def _score(self, k: int, sampled, version: int, admission_wait: float) -> None:
         with self._changed:
@@ -389,10 +401,11 @@ def _record_stream(value: Any, stream) -> None:
             _record_stream(item, stream)
 
 
-def batch_seed(seed: int, k: int, process_index: int) -> int:
-    """The seed of generation batch k on a process: a hash of the run's seed, k and the process, nothing else."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9 + process_index * 0x94D049BB133111EB) % 2**64
-    return mixed % 2**63
+def batch_seed(seed: int, k: int, process_index: int, refill: int = 0) -> int:
+    """The seed of generation batch k on a process (`refill` r > 0: of its r-th dynamic-sampling refill round): a
+    hash of the run's seed, k, the process and r, nothing else."""
+    mixed = seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9 + process_index * 0x94D049BB133111EB
+    return (mixed + refill * 0xD6E8FEB86659FD93) % 2**64 % 2**63
 
 
 def async_unsupported_reason(args, *, sharded: bool, rollout_func: bool) -> str | None:
@@ -413,8 +426,6 @@ def async_unsupported_reason(args, *, sharded: bool, rollout_func: bool) -> str 
         )
     if rollout_func:
         return "a rollout_func samples with the trainer's own model, not the producer's copy: use max_staleness=0"
-    if args.dynamic_sampling:
-        return "dynamic_sampling refills on the main thread: use max_staleness=0 with dynamic_sampling"
     return None
 
 
@@ -445,6 +456,8 @@ class AsyncRollouts:
             self.snapshot.stage(version)
         self.lookahead = Lookahead()
         self.last_take = time.monotonic()
+        if args.dynamic_sampling and args.max_staleness > 0:  # refills join stale rows: their log-probs are needed
+            experience.sampler.record_logps = True
 
     def steps_before(self, k: int) -> int:
         """Optimizer steps the policy has taken when it starts training on generation batch k."""
@@ -488,7 +501,24 @@ class AsyncRollouts:
         metrics["async/staleness_max"].append(float(staleness))
         metrics["async/trainer_wait_fraction"].append(min(waited / elapsed, 1.0))
         metrics["async/producer_wait_fraction"].append(min(handed.admission_wait / elapsed, 1.0))
-        return self.experience.produced_batches(handed.produced, staleness)
+        self.experience.refill_context = lambda r: self._refilling(k, r)  # noqa: E731
+        try:
+            return self.experience.produced_batches(handed.produced, staleness)
+        finally:
+            self.experience.refill_context = None
+
+    @contextlib.contextmanager
+    def _refilling(self, k: int, r: int):
+        """Around dynamic sampling's r-th refill round of generation batch k, which the main thread samples with the
+        policy now (the decision to refill needs every process's rewards): no producer batch is sampled meanwhile,
+        and above max_staleness 0 the round draws from a seed of its own (the producer's threads share torch's
+        generator); at 0 from the generator as it stands, as the synchronous run."""
+        cuda = torch.cuda.current_stream() if self.accelerator.device.type == "cuda" else None
+        seed = None
+        if self.args.max_staleness > 0:
+            seed = batch_seed(self.args.seed, k, self.accelerator.process_index, refill=r)
+        with self.snapshot.exclusive(), _seeded(seed, cuda):
+            yield
 
     def saved_weights(self, micro_step: int) -> dict[int, list[torch.Tensor]]:
         """For a checkpoint at `micro_step`: the producer's weights of each version the batches not yet sampled or

@@ -140,8 +140,8 @@ def test_a_stalled_producer_is_named_in_a_warning(tmp_path, monkeypatch, caplog)
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (dict(dynamic_sampling=True), "dynamic_sampling"),
         (dict(max_staleness=-1), "must be an int >= 0"),
+        (dict(use_vllm=True, vllm_mode="colocate"), "vLLM in colocate mode shares this process.*vllm_mode='server'"),
     ],
 )
 def test_what_the_producer_cannot_run_with_is_refused(tmp_path, overrides, words):
@@ -150,9 +150,52 @@ def test_what_the_producer_cannot_run_with_is_refused(tmp_path, overrides, words
         make_trainer(args)
 
 
+def half_flat(prompts, completion_ids, **kwargs):
+    """The same reward for every completion of an even question (a group without signal, which dynamic sampling
+    drops and refills), a varied one for the others."""
+    numbers = [int(prompt.split()[1].rstrip(":")) for prompt in prompts]
+    return [1.0 if n % 2 == 0 else float(sum(ids) % 7) for n, ids in zip(numbers, completion_ids, strict=True)]
+
+
+DYNAMIC = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=3, max_steps=4)
+
+
+def test_dynamic_sampling_through_the_producer_at_staleness_0_is_the_synchronous_run(tmp_path):
+    """Refill rounds run on the main thread while the producer waits; at staleness 0 they draw from torch's generator
+    in the synchronous run's order: the same parameters and logs."""
+    synchronous = run(tmp_path, "sync", reward=half_flat, **DYNAMIC)
+    produced = run(tmp_path, "async", trainer_cls=AsyncGRPOTrainer, reward=half_flat, **DYNAMIC)
+    for (name, a), (_, b) in zip(synchronous.model.named_parameters(), produced.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert comparable(train_logs(produced)) == comparable(train_logs(synchronous))
+    assert sum(row["dynamic_sampling/extra_rounds"] for row in train_logs(produced)) >= 2
+
+
+def test_dynamic_sampling_refills_above_staleness_0_whatever_the_threads_timing(tmp_path):
+    """At max_staleness 1, with a reward of random latency: refills happen (their rows sampled by the policy now, with
+    seeds of their own), every batch stays within the bound, and two runs are the same run."""
+    import random
+
+    clock = random.Random()
+
+    def jittery(prompts, completion_ids, **kwargs):
+        time.sleep(clock.uniform(0.0, 0.05))
+        return half_flat(prompts, completion_ids)
+
+    first = run(tmp_path, "first", reward=jittery, max_staleness=1, **DYNAMIC)
+    second = run(tmp_path, "second", reward=jittery, max_staleness=1, **DYNAMIC)
+    for (name, a), (_, b) in zip(first.model.named_parameters(), second.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    logs = train_logs(first)
+    assert comparable(train_logs(second)) == comparable(logs)
+    assert [row["async/staleness_max"] for row in logs] == [0.0, 1.0, 1.0, 1.0]
+    assert sum(row["dynamic_sampling/extra_rounds"] for row in logs) >= 2
+    assert all(row["dynamic_sampling/unfilled_groups"] == 0 for row in logs)
+
+
 def test_two_processes_at_staleness_0_and_1(tmp_path):
     """DDP with 2 processes: the producer at staleness 0 is the synchronous run bit for bit; at 1 it trains, within
-    the bound."""
+    the bound, with dynamic sampling too."""
     import os
     import subprocess
     import sys
@@ -171,6 +214,10 @@ def test_two_processes_at_staleness_0_and_1(tmp_path):
     stale = runs["stale1"]
     assert max(row["async/staleness_max"] for row in stale["logs"]) <= 1.0
     assert any(not torch.equal(stale["params"][name], value) for name, value in runs["sync"]["params"].items())
+    dynamic = runs["dynamic1"]["logs"]  # refills decided from both processes' rewards, sampled on the main threads
+    assert max(row["async/staleness_max"] for row in dynamic) <= 1.0
+    assert sum(row["dynamic_sampling/extra_rounds"] for row in dynamic) >= 1
+    assert all(row["dynamic_sampling/unfilled_groups"] == 0 for row in dynamic)
 
 
 # ---- one run per seed, and resume ----------------------------------------------------------------------------------

@@ -180,7 +180,6 @@ def test_trls_rollout_worker_and_weight_transfer_are_refused_with_what_to_use(ar
     ("settings", "rollout_func", "reason"),
     [
         ({"use_vllm": True, "vllm_mode": "colocate"}, None, "vLLM in colocate mode shares this process"),
-        ({"dynamic_sampling": True}, None, "dynamic_sampling refills on the main thread"),
         ({}, lambda prompts, trainer: {}, "a rollout_func samples with the trainer's own model"),
     ],
 )

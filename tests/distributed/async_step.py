@@ -1,5 +1,6 @@
 """Asynchronous GRPO under torchrun with 2 CPU processes (gloo): the producer thread at max_staleness 0 against the
-synchronous run, and a run at max_staleness 1.
+synchronous run, a run at max_staleness 1, and one with dynamic sampling at max_staleness 1 (half the prompts get
+the same reward for every completion: their groups are dropped and refilled, by every process alike).
 
     python -m torch.distributed.run --nproc_per_node=2 tests/distributed/async_step.py OUT.pt
 
@@ -19,9 +20,15 @@ from conftest import TRAINING, exit_without_teardown, make_trainer, tiny_run_arg
 from grpo_hf import AsyncGRPOTrainer, GRPOTrainer  # noqa: E402
 
 
-def run(out_dir: Path, trainer_cls, **overrides) -> dict:
+def half_flat(prompts, completion_ids, **kwargs):
+    numbers = [int(prompt.split()[1].rstrip(":")) for prompt in prompts]
+    return [1.0 if n % 2 == 0 else float(sum(ids) % 7) for n, ids in zip(numbers, completion_ids, strict=True)]
+
+
+def run(out_dir: Path, trainer_cls, reward=None, **overrides) -> dict:
     settings = {**TRAINING, "max_steps": 3, "rollout_engine": "loop", "per_device_train_batch_size": 2, **overrides}
-    trainer = make_trainer(tiny_run_args(out_dir, settings), trainer_cls=trainer_cls)
+    kwargs = {} if reward is None else {"reward": reward}
+    trainer = make_trainer(tiny_run_args(out_dir, settings), trainer_cls=trainer_cls, **kwargs)
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     logs = [row for row in trainer.state.log_history if "loss" in row]
@@ -35,6 +42,14 @@ def main(out_path: str) -> None:
         "sync": run(out / "sync", GRPOTrainer),
         "producer0": run(out / "producer0", AsyncGRPOTrainer),
         "stale1": run(out / "stale1", GRPOTrainer, max_staleness=1),
+        "dynamic1": run(
+            out / "dynamic1",
+            GRPOTrainer,
+            half_flat,
+            max_staleness=1,
+            dynamic_sampling=True,
+            dynamic_sampling_max_rounds=3,
+        ),
     }
     if results["sync"]["main"]:
         torch.save({name: {k: v for k, v in r.items() if k != "main"} for name, r in results.items()}, out_path)
