@@ -235,6 +235,7 @@ class Producer:
         self._started = False  # nothing is sampled before the trainer's first `take` (see `take`)
         self._doing = {"sampler": "waiting for its first batch", "scorer": None}  # for the stall warning
         self._scorer = futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_hf-scorer") if pipelined else None
+        self.scoring = threading.Lock()  # held while reward functions run (a refill's too: never two at once)
         self._thread = threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)
         self._thread.start()
 
@@ -354,7 +355,8 @@ class Producer:
         with self._changed:
             self._doing["scorer"] = f"scoring generation batch {k}"
         try:
-            produced = self.score(sampled)
+            with self.scoring:
+                produced = self.score(sampled)
         except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
             self._failed(k, error)
             return
@@ -512,12 +514,13 @@ class AsyncRollouts:
         """Around dynamic sampling's r-th refill round of generation batch k, which the main thread samples with the
         policy now (the decision to refill needs every process's rewards): no producer batch is sampled meanwhile,
         and above max_staleness 0 the round draws from a seed of its own (the producer's threads share torch's
-        generator); at 0 from the generator as it stands, as the synchronous run."""
+        generator); at 0 from the generator as it stands, as the synchronous run. The reward functions are not running
+        in the producer's threads meanwhile either: they are never called twice at once."""
         cuda = torch.cuda.current_stream() if self.accelerator.device.type == "cuda" else None
         seed = None
         if self.args.max_staleness > 0:
             seed = batch_seed(self.args.seed, k, self.accelerator.process_index, refill=r)
-        with self.snapshot.exclusive(), _seeded(seed, cuda):
+        with self.snapshot.exclusive(), self.producer.scoring, _seeded(seed, cuda):
             yield
 
     def saved_weights(self, micro_step: int) -> dict[int, list[torch.Tensor]]:

@@ -173,16 +173,21 @@ def test_dynamic_sampling_through_the_producer_at_staleness_0_is_the_synchronous
 
 def test_dynamic_sampling_refills_above_staleness_0_whatever_the_threads_timing(tmp_path):
     """At max_staleness 1, with a reward of random latency: refills happen (their rows sampled by the policy now, with
-    seeds of their own), every batch stays within the bound, and two runs are the same run."""
+    seeds of their own, their rewards never beside the producer's), every batch stays within the bound, and two runs
+    are the same run."""
     import random
 
-    clock = random.Random()
+    clock, running, at_once = random.Random(), [], []
 
     def jittery(prompts, completion_ids, **kwargs):
+        running.append(1)
+        at_once.append(len(running))
         time.sleep(clock.uniform(0.0, 0.05))
+        running.pop()
         return half_flat(prompts, completion_ids)
 
     first = run(tmp_path, "first", reward=jittery, max_staleness=1, **DYNAMIC)
+    assert max(at_once) == 1  # a refill's rewards never run beside the scorer thread's
     second = run(tmp_path, "second", reward=jittery, max_staleness=1, **DYNAMIC)
     for (name, a), (_, b) in zip(first.model.named_parameters(), second.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
