@@ -4,6 +4,8 @@
 `processing_class`, `peft_config` and quantization settings into the policy (PEFT-wrapped for LoRA/QLoRA), the frozen
 reference model (none under LoRA: the adapters switched off are the reference) and a left-padding tokenizer.
 What training changes in a built model (the LM head in float32, the MoE router's loss weight) is `heads.py`'s.
+A policy whose `forward` is patched on the instance to run another model's forward (a deep copy of a model TRL's
+`SFTTrainer` trained) is refused: it would be sampled with the other model's weights and trained with its own.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def build_models(
         raise TypeError(
             f"model must be a model id/path, a PreTrainedModel or a peft.PeftModel, got {type(model).__name__}."
         )
+    check_forward_is_its_own(model)
     if processing_class is None:
         processing_class = _load_processing_class(model, model_id, kwargs.get("trust_remote_code", False))
     check_processing_class(processing_class)
@@ -153,6 +156,55 @@ def build_models(
         if is_quantized(model):
             cast_adapters_for_qlora(model)
     return model, ref_model, processing_class
+
+
+def forward_of_another_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The other module whose forward `model.forward` runs, if an instance-level patch of it calls one: None if not.
+
+    Libraries patch `model.forward` on the instance with a function that calls the forward they replaced, kept as a
+    bound method (TRL's `SFTTrainer` adds its fused LM head this way: `trl.trainer.utils.add_fused_lm_head`).
+    `copy.deepcopy` rebinds the patch to the copy but not the bound method in its closure, so the copy's forward
+    runs the original's weights. Followed: bound methods' functions, closures and `__wrapped__`, a few levels deep.
+    """
+    own = {id(module) for module in model.modules()}  # a patch may call a submodule's forward: still these weights
+    seen, stack = set(), [(model.__dict__.get("forward"), 0)]
+    while stack:
+        function, depth = stack.pop()
+        if function is None or id(function) in seen or depth > 8:
+            continue
+        seen.add(id(function))
+        owner = getattr(function, "__self__", None)
+        if isinstance(owner, torch.nn.Module) and id(owner) not in own:
+            return owner
+        inner = getattr(function, "__func__", function)
+        cells = [cell.cell_contents for cell in getattr(inner, "__closure__", None) or () if _filled(cell)]
+        stack += [(f, depth + 1) for f in (*cells, getattr(inner, "__wrapped__", None)) if callable(f)]
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell: a closure variable not assigned yet
+        return False
+    return True
+
+
+def check_forward_is_its_own(model: torch.nn.Module) -> None:
+    """Refuse a policy whose `forward` runs another module's weights (`forward_of_another_module`): sampling calls
+    `model(...)` while the log-probabilities run the decoder and LM head of `model` itself, so the trainer would
+    sample from one model and train another, silently."""
+    for module in {id(m): m for m in (model, base_model(model))}.values():
+        other = forward_of_another_module(module)
+        if other is not None:
+            raise ValueError(
+                f"{type(module).__name__}.forward is patched on the instance with a function that runs the forward "
+                f"of another {type(other).__name__} object (seen after copy.deepcopy of a model that TRL's "
+                "SFTTrainer trained: its fused-LM-head patch keeps the original model's forward). GRPO would sample "
+                "from that other model's weights and train this one's. Pass the model the patch was made on, load "
+                "the weights into a freshly loaded model (`load_state_dict`), or remove the patch: "
+                "`del model.forward`."
+            )
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

@@ -296,3 +296,28 @@ def train_and_score_first_batch(trainer, given):
         with given.disable_adapter():
             base, _ = padded_logps(given, first)
     return first, adapted, base
+
+
+def test_a_deep_copy_of_a_model_trls_sft_trainer_patched_is_refused(tokenizer, tmp_path):
+    """TRL's SFTTrainer patches `model.forward` with its fused LM head, a closure over the forward it replaced (bound
+    to that model). A deep copy's forward then runs the original's weights: GRPO would sample from a model it does not
+    train (a warm-started, deep-copied policy whose samples never changed). The trainer refuses it and says how."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_hf import models
+
+    model = build_tiny_model(tokenizer)
+    add_fused_lm_head(model)
+    clone = copy.deepcopy(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # the original only: the clone's own head is untouched
+        assert clone.lm_head.weight.abs().sum() > 0 and torch.all(clone(ids).logits == 0)  # it ran the original's
+    assert models.forward_of_another_module(clone) is model
+    args = tiny_run_args(tmp_path / "out", TRAINING, max_steps=1)
+    with pytest.raises(ValueError, match="runs the forward of another LlamaForCausalLM.*del model.forward"):
+        GRPOTrainer(clone, id_sum_reward, args, make_dataset(), processing_class=tokenizer)
+    assert models.forward_of_another_module(model) is None  # the patched model itself is accepted
+    models.build_models(model, tokenizer, with_reference=False)
+    del clone.forward  # the class's forward again: the clone's own weights
+    assert models.forward_of_another_module(clone) is None and torch.any(clone(ids).logits != 0)
