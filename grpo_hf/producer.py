@@ -4,7 +4,8 @@ trains on them.
 
 The pieces, each in one class:
 
-- `WeightSnapshot`: the producer's own copy of the policy (the model's dtype, eval mode, no gradients). At the start
+- `WeightSnapshot`: the producer's own copy of the policy (the model's dtype, eval mode, no gradients; a `forward`
+  patched on the instance to call the policy's own, as TRL's fused LM head is, dropped from the copy). At the start
   of each optimizer step the main thread stages a copy of the weights the policy has reached (`stage`); before a
   generation batch the producer loads exactly the version that batch is sampled by (`load`), so a batch is sampled
   by one version of the weights, and never sees them change under it. Version = optimizer steps taken.
@@ -54,7 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpo_hf.models import forward_of_another_module
 from grpo_hf.parallel import is_zero3
+from grpo_hf.peft_utils import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,9 @@ class WeightSnapshot:
     def __init__(self, model: nn.Module, version: int, on_load=None, saved: dict[int, list] | None = None):
         self.source = model
         self.model = copy.deepcopy(model)
+        for module in (self.model, base_model(self.model)):  # a forward patched to run the policy's weights (TRL's
+            if forward_of_another_module(module) is not None:  # fused LM head): the copy runs its class's own
+                del module.forward
         self.model.requires_grad_(False)
         for param in self.model.parameters():
             param.grad = None

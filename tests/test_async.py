@@ -483,3 +483,18 @@ def test_evaluation_pauses_the_producer(tmp_path, monkeypatch):
         else:
             in_flight.discard(thread)
     assert {"MainThread", "grpo_hf-producer"} <= {thread for _, thread in events}
+
+
+def test_the_producers_copy_samples_its_own_weights_when_the_policy_forward_is_patched(tokenizer):
+    """TRL's SFTTrainer patches `model.forward` with a closure over the forward it replaced, bound to the model: a
+    deep copy would run the policy's weights. The producer's copy drops that patch and runs its own."""
+    from conftest import build_tiny_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build_tiny_model(tokenizer)
+    add_fused_lm_head(model)  # what a warm start with TRL's SFTTrainer leaves on the policy
+    snapshot = producer_module.WeightSnapshot(model, version=0)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # the policy moves on; the copy holds version 0
+        assert torch.all(model(ids).logits == 0) and torch.any(snapshot.model(ids).logits != 0)
