@@ -5,7 +5,8 @@
 reference model (none under LoRA: the adapters switched off are the reference) and a left-padding tokenizer.
 What training changes in a built model (the LM head in float32, the MoE router's loss weight) is `heads.py`'s.
 A policy whose `forward` is patched on the instance to run another model's forward (a deep copy of a model TRL's
-`SFTTrainer` trained) is refused: it would be sampled with the other model's weights and trained with its own.
+`SFTTrainer` trained) is refused: it would be sampled with the other model's weights and trained with its own. The
+copies made here (`own_copy`: the reference model) drop such a patch.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def build_models(
 
     ref_model = None
     if with_reference and peft_config is None and not is_peft_model(model):
-        ref_model = load_model(model_id, **kwargs) if model_id is not None else copy.deepcopy(model)
+        ref_model = load_model(model_id, **kwargs) if model_id is not None else own_copy(model)
         ref_model.eval().requires_grad_(False)
         if disable_dropout:
             turn_off_dropout(ref_model)
@@ -180,6 +181,17 @@ def forward_of_another_module(model: torch.nn.Module) -> torch.nn.Module | None:
         cells = [cell.cell_contents for cell in getattr(inner, "__closure__", None) or () if _filled(cell)]
         stack += [(f, depth + 1) for f in (*cells, getattr(inner, "__wrapped__", None)) if callable(f)]
     return None
+
+
+def own_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`copy.deepcopy(model)` whose forward runs its own weights: an instance-level patch of `forward` that runs
+    `model`'s (`forward_of_another_module`, TRL's fused LM head) is dropped from the copy, which then runs its class's
+    forward. For the reference model and the async producer's copy of a policy that TRL's SFTTrainer trained."""
+    clone = copy.deepcopy(model)
+    for module in {id(m): m for m in (clone, base_model(clone))}.values():
+        if forward_of_another_module(module) is not None:
+            del module.forward
+    return clone
 
 
 def _filled(cell) -> bool:

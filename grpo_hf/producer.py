@@ -41,7 +41,6 @@ the model itself draws while it trains: dropout).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import threading
@@ -55,9 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_hf.models import forward_of_another_module
+from grpo_hf.models import own_copy
 from grpo_hf.parallel import is_zero3
-from grpo_hf.peft_utils import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +70,7 @@ class WeightSnapshot:
 
     def __init__(self, model: nn.Module, version: int, on_load=None, saved: dict[int, list] | None = None):
         self.source = model
-        self.model = copy.deepcopy(model)
-        for module in (self.model, base_model(self.model)):  # a forward patched to run the policy's weights (TRL's
-            if forward_of_another_module(module) is not None:  # fused LM head): the copy runs its class's own
-                del module.forward
+        self.model = own_copy(model)  # its forward runs its own weights (TRL's fused-LM-head patch dropped)
         self.model.requires_grad_(False)
         for param in self.model.parameters():
             param.grad = None

@@ -321,3 +321,19 @@ def test_a_deep_copy_of_a_model_trls_sft_trainer_patched_is_refused(tokenizer, t
     models.build_models(model, tokenizer, with_reference=False)
     del clone.forward  # the class's forward again: the clone's own weights
     assert models.forward_of_another_module(clone) is None and torch.any(clone(ids).logits != 0)
+
+
+def test_the_reference_copy_of_a_policy_trls_sft_trainer_patched_runs_its_own_weights(tokenizer):
+    """With beta > 0 the reference is a deep copy of the policy given as an object. TRL's fused-LM-head patch would
+    make that copy run the policy's forward (a KL of 0 against a reference that trains along); it is dropped."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_hf import models
+
+    model = build_tiny_model(tokenizer)
+    add_fused_lm_head(model)  # what a warm start with TRL's SFTTrainer leaves on the policy
+    policy, reference, _ = models.build_models(model, tokenizer, with_reference=True)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        policy.lm_head.weight.zero_()  # the policy trains on; the reference stays
+        assert torch.all(policy(ids).logits == 0) and torch.any(reference(ids).logits != 0)
