@@ -459,6 +459,7 @@ class AsyncRollouts:
             self.snapshot.stage(version)
         self.lookahead = Lookahead()
         self.last_take = time.monotonic()
+        self.recorded = experience.sampler.record_logps  # the run's own sampler's setting, restored at `close`
         if args.dynamic_sampling and args.max_staleness > 0:  # refills join stale rows: their log-probs are needed
             experience.sampler.record_logps = True
 
@@ -539,6 +540,7 @@ class AsyncRollouts:
         self.producer.close()
         if self.sampler.engine is not None:
             self.sampler.engine.close()
+        self.experience.sampler.record_logps = self.recorded
         self.snapshot = self.sampler = None
 
 
