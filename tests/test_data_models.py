@@ -23,6 +23,7 @@ from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, forma
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import offline_model  # noqa: E402
+from gsm8k_support import plotting  # noqa: E402
 from gsm8k_support.data import (  # noqa: E402
     ARITHMETIC_DATASET,
     FEW_SHOT_EXAMPLES,
@@ -402,3 +403,19 @@ def test_plot_training_curves_writes_a_png(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_training_curves([{"step": 1, "train_runtime": 1.0}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_training_curves_draws_several_runs_and_the_tool_metrics(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plotting.plt, "close", figures.append)  # keep the figure to read its lines
+    log = lambda calls: [  # noqa: E731
+        {"step": s, "reward": 0.1 * s, "rewards/correct_answer/mean": 0.1 * s, "tools/call_frequency": calls,
+         "tools/failure_frequency": 0.0, "tools/turns_mean": 1.5}
+        for s in (1, 2)
+    ]  # fmt: skip
+    runs = {"tools seed 1": log(0.5), "tools seed 2": log(0.7), "no_tools seed 1": [{"step": 1, "reward": 0.0}]}
+    assert plot_training_curves(runs, tmp_path / "runs.png") == str(tmp_path / "runs.png")
+    labels = {ax.get_title(): [line.get_label() for line in ax.lines] for ax in figures[0].axes if ax.lines}
+    assert labels["Reward"] == ["tools seed 1: reward", "tools seed 2: reward", "no_tools seed 1: reward"]
+    assert labels["Tool calls per completion"] == [f"tools seed {s}: tools/call_frequency" for s in (1, 2)]
+    assert {"Failed calls per call", "Model turns per episode"} <= set(labels)

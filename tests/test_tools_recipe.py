@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 recipe = load_recipe("tools")
+from tools_support.evaluation import greedy_shared_prefix  # noqa: E402
 from tools_support.problems import correct_answer, make_problems, multiply, split_of  # noqa: E402
-from tools_support.warm_start import trace_ids  # noqa: E402
+from tools_support.warm_start import calls_tool, trace_ids  # noqa: E402
 
 
 def tool_tokenizer():
@@ -32,6 +33,17 @@ def test_problems_are_seeded_and_the_splits_share_no_multiplication():
     assert all(split_of(a, b) == "test" and 11 <= a <= 99 for a, b in zip(test["a"], test["b"], strict=True))
     assert all(int(x) == a * b for x, a, b in zip(train["answer"], train["a"], train["b"], strict=True))
     assert get_json_schema(multiply)["function"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_problems_take_a_three_digit_factor_in_either_place():
+    test = make_problems(64, "test", seed=0, digits=[3, 2])
+    assert all(sorted([len(str(a)), len(str(b))]) == [2, 3] for a, b in zip(test["a"], test["b"], strict=True))
+    assert {len(str(a)) for a in test["a"]} == {2, 3}  # the 3-digit factor comes first in some, second in others
+    train = make_problems(300, "train", seed=0, digits=[3, 2])
+    pairs = lambda ds: {(min(a, b), max(a, b)) for a, b in zip(ds["a"], ds["b"], strict=True)}  # noqa: E731
+    assert not pairs(train) & pairs(test)
+    with pytest.raises(ValueError, match="digits"):
+        make_problems(1, "train", digits=[3])
 
 
 def test_the_reward_reads_the_models_last_message_only():
@@ -66,6 +78,57 @@ def test_a_warm_start_trace_trains_the_models_turns_and_reads_as_a_call():
     )
     assert "<tools>" not in tokenizer.decode(ids)
 
+    ids, mask = trace_ids(
+        tokenizer, row, with_tool=True, template_kwargs={}, calls=False
+    )  # the tool shown, not called
+    assert "<tools>" in tokenizer.decode(ids)
+    assert (
+        tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+        == f"The answer is {row['answer']}.<|im_end|>"
+    )
+
+
+def test_the_warm_start_calls_on_an_even_share_of_its_traces():
+    assert [calls_tool(i, 0.5) for i in range(6)] == [False, True] * 3
+    assert [sum(calls_tool(i, f) for i in range(12)) for f in (0.0, 0.25, 1 / 3, 0.34, 0.5, 1.0)] == [
+        0,
+        3,
+        4,
+        4,
+        6,
+        12,
+    ]
+    assert all(calls_tool(i, 1.0) for i in range(12))
+
+
+def test_greedy_decoding_on_a_shared_prefix_picks_what_generate_picks():
+    import torch
+    from transformers import GenerationConfig
+
+    from grpo_hf.rollout.hf_generate import GenerateEngine
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, "qwen2", hidden_size=64).eval()
+    shared = "<|im_start|>system\nA long system prompt that every row shares.<|im_end|>\n<|im_start|>user\n"
+    texts = [shared + "Hi", shared + "Multiply 123 by 45, please.", shared + "What is 7 x 8?"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    eos = [tokenizer.eos_token_id]
+    ids, mask = greedy_shared_prefix(model, batch.input_ids, batch.attention_mask, 12, eos, tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=pad, eos_token_id=eos)
+    expected = GenerateEngine(config, eos).generate(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
+    for row in range(3):
+        got = ids[row][mask[row].bool()].tolist()
+        assert got == expected.completion_ids[row][expected.completion_mask[row].bool()].tolist() and got
+    with torch.no_grad():  # rows that end early (at 1, 3 and 6 tokens): finished rows are masked, the others go on
+        model.lm_head.weight[tokenizer.eos_token_id] *= 2
+    ids, mask = greedy_shared_prefix(model, batch.input_ids, batch.attention_mask, 12, eos, tokenizer.pad_token_id)
+    expected = GenerateEngine(config, eos).generate(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
+    assert mask.sum(1).tolist() == [6, 1, 3] and ids.shape == (3, 6)
+    assert [ids[r][mask[r].bool()].tolist() for r in range(3)] == [
+        expected.completion_ids[r][expected.completion_mask[r].bool()].tolist() for r in range(3)
+    ]
+
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
@@ -82,7 +145,7 @@ def test_the_recipe_runs_both_arms_end_to_end(tiny_model_dir, tmp_path, capsys, 
     out = tmp_path / "out"
     argv = [
         "--config", str(ROOT / "recipes" / "tools_cpu.yaml"),
-        "--model_name_or_path", str(tiny_model_dir),
+        "--model_name_or_path", str(tiny_model_dir), "--seeds", "1", "2",
         "--num_train_examples", "4", "--num_eval_examples", "2", "--eval_batch_size", "2",
         "--warm_start_examples", "2", "--warm_start_batch_size", "2",
         "--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2",
@@ -92,24 +155,35 @@ def test_the_recipe_runs_both_arms_end_to_end(tiny_model_dir, tmp_path, capsys, 
 
     assert set(results) == {"tools", "no_tools"}
     report = json.loads((out / "eval.json").read_text())
+    metrics = {"accuracy", "tool_call_rate", "failed_call_rate", "mean_turns", "n"}
     for arm in ("tools", "no_tools"):
-        assert list(report[arm]["stages"]) == ["base", "warm start", "GRPO"]
-        for stage in report[arm]["stages"].values():
-            assert stage["n"] == 2 and 0.0 <= stage["accuracy"] <= 1.0 and 0.0 <= stage["tool_call_rate"] <= 1.0
+        assert list(report[arm]["stages"]) == ["base", "warm start"] and list(report[arm]["runs"]) == ["1", "2"]
+        evaluated = [*report[arm]["stages"].values(), *(run["GRPO"] for run in report[arm]["runs"].values())]
+        for stage in evaluated:
+            assert set(stage) == metrics and stage["n"] == 2 and stage["mean_turns"] >= 1
+            assert all(0.0 <= stage[k] <= 1.0 for k in ("accuracy", "tool_call_rate", "failed_call_rate"))
+        grpo = [run["GRPO"]["accuracy"] for run in report[arm]["runs"].values()]
+        summary = report[arm]["over_seeds"]["GRPO"]["accuracy"]
+        assert summary == {"mean": sum(grpo) / 2, "min": min(grpo), "max": max(grpo)}
         assert report[arm]["warm_start_log"][0]["loss"] > 0  # the warm start trained
-        assert report[arm]["seconds"]["GRPO"] > 0
-    assert "tools/call_frequency" in report["tools"]["grpo_log"][0]  # GRPO ran tool episodes in the tools arm only
-    assert "tools/call_frequency" not in report["no_tools"]["grpo_log"][0]
+        assert all(run["seconds"]["GRPO"] > 0 for run in report[arm]["runs"].values())
+    for seed in ("1", "2"):  # GRPO ran tool episodes in the tools arm only
+        assert "tools/call_frequency" in report["tools"]["runs"][seed]["grpo_log"][0]
+        assert "tools/call_frequency" not in report["no_tools"]["runs"][seed]["grpo_log"][0]
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 * 3 * 2  # arms x stages x problems
+    assert len(samples) == 2 * (2 + 2) * 2  # arms x (base, warm start, GRPO per seed) x problems
     assert "more than max_completion_length=16" in caplog.text  # a byte per token: the traces do not fit, it says so
     table = capsys.readouterr().out
-    assert "| tools | GRPO |" in table and "| no_tools | base |" in table
+    assert "| tools | GRPO seed 2 |" in table and "| no_tools | base |" in table
+    assert "failed-call rate | mean turns" in table
+    assert "| no_tools | GRPO mean [min, max] over 2 seeds | 0.000 [0.000, 0.000] |" in table
 
 
 def test_shipped_config_parses():
     args, config = recipe.parse_args(["--config", str(ROOT / "recipes" / "tools_cpu.yaml")])
     assert args.model_name_or_path == "offline:SmolLM2-135M-Instruct" and args.arms == ["tools", "no_tools"]
+    assert len(args.seeds) == 3 and args.num_eval_examples >= 64 and 0 < args.warm_start_tool_fraction < 1
     assert config.max_tool_calling_iterations == 2 and config.use_cpu and not config.bf16
     with pytest.raises(ValueError, match="arms"):
         recipe.parse_args(["--arms", "calculator"])

@@ -1,8 +1,9 @@
 """Multiplication word problems a 135M model cannot do in its head, the calculator tool that solves them, the reward.
 
-Each problem multiplies two numbers of `digits` digits ("A baker fills 37 trays with 48 rolls each. How many rolls
-are there?"). The train and held-out splits are disjoint by construction: a problem's split is a hash of its
-unordered pair of factors, so no held-out multiplication is ever trained on, in either order.
+Each problem multiplies two numbers of `digits` digits, one count per factor ("A baker fills 237 trays with 48 rolls
+each. How many rolls are there?"); which factor comes first in the text is drawn. The train and held-out splits are
+disjoint by construction: a problem's split is a hash of its unordered pair of factors, so no held-out multiplication
+is ever trained on, in either order.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import random
 import re
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import datasets
@@ -43,15 +45,18 @@ def split_of(a: int, b: int, held_out_percent: int = 20) -> str:
     return "test" if zlib.crc32(key) % 100 < held_out_percent else "train"
 
 
-def make_problems(n: int, split: str, seed: int = 0, digits: int = 2) -> datasets.Dataset:
-    """`n` distinct problems of `split` ('train' or 'test'): columns `question`, `a`, `b`, `answer` (a*b, as text)."""
+def make_problems(n: int, split: str, seed: int = 0, digits: Sequence[int] = (2, 2)) -> datasets.Dataset:
+    """`n` distinct problems of `split` ('train' or 'test'): columns `question`, `a`, `b`, `answer` (a*b, as text).
+    `digits`: the digits of the two factors, e.g. (3, 2); the order they appear in is drawn per problem."""
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r} must be 'train' or 'test'.")
+    if len(digits) != 2 or min(digits) < 2:
+        raise ValueError(f"digits={list(digits)} must give two factors of at least 2 digits each, e.g. [3, 2].")
     rng = random.Random(f"{seed}-{split}")
-    low, high = 10 ** (digits - 1) + 1, 10**digits - 1  # no factor of 10: nothing to do by appending zeros
+    bounds = [(10 ** (d - 1) + 1, 10**d - 1) for d in digits]  # no factor of 10: nothing to do by appending zeros
     rows, seen = [], set()
     while len(rows) < n:
-        a, b = rng.randint(low, high), rng.randint(low, high)
+        a, b = (rng.randint(low, high) for low, high in rng.sample(bounds, 2))
         if (a, b) in seen or a % 10 == 0 or b % 10 == 0 or split_of(a, b) != split:
             continue
         seen.add((a, b))
