@@ -99,7 +99,7 @@ def greedy_shared_prefix(
     B, device = len(rows), ids.device
     cache, keyword = DynamicCache(config=model.config), cache_keyword(model)  # `cache=` or `past_key_values=`
     if shared:
-        model(input_ids=rows[0][None, :shared], use_cache=True, **{keyword: cache})
+        model(input_ids=rows[0][None, :shared], use_cache=True, logits_to_keep=1, **{keyword: cache})
         cache.batch_repeat_interleave(B)
     width = max(len(row) for row in rows) - shared
     rest = torch.full((B, width), pad, dtype=ids.dtype, device=device)  # [B, S] left-padded
@@ -109,8 +109,9 @@ def greedy_shared_prefix(
     attention = torch.cat([torch.ones((B, shared), dtype=mask.dtype, device=device), rest_mask], dim=1)
     positions = (shared + rest_mask.cumsum(1) - 1).clamp(min=0)  # [B, S]
     logits = model(
-        input_ids=rest, attention_mask=attention, position_ids=positions, use_cache=True, **{keyword: cache}
-    ).logits[:, -1]  # [B, V]
+        input_ids=rest, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+        **{keyword: cache},
+    ).logits[:, -1]  # [B, V]  # fmt: skip
     eos_ids = torch.tensor(eos, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, keep = [], []
