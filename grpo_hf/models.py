@@ -188,10 +188,16 @@ def own_copy(model: torch.nn.Module) -> torch.nn.Module:
     `model`'s (`forward_of_another_module`, TRL's fused LM head) is dropped from the copy, which then runs its class's
     forward. For the reference model and the async producer's copy of a policy that TRL's SFTTrainer trained."""
     clone = copy.deepcopy(model)
-    for module in {id(m): m for m in (clone, base_model(clone))}.values():
-        if forward_of_another_module(module) is not None:
-            del module.forward
+    for module, _ in patched_forwards(clone):
+        del module.forward
     return clone
+
+
+def patched_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(module, the other module its forward runs) for `model` and the model under a PEFT wrapper, where
+    `forward_of_another_module` finds one."""
+    modules = {id(m): m for m in (model, base_model(model))}.values()
+    return [(module, other) for module in modules if (other := forward_of_another_module(module)) is not None]
 
 
 def _filled(cell) -> bool:
@@ -206,17 +212,17 @@ def check_forward_is_its_own(model: torch.nn.Module) -> None:
     """Refuse a policy whose `forward` runs another module's weights (`forward_of_another_module`): sampling calls
     `model(...)` while the log-probabilities run the decoder and LM head of `model` itself, so the trainer would
     sample from one model and train another, silently."""
-    for module in {id(m): m for m in (model, base_model(model))}.values():
-        other = forward_of_another_module(module)
-        if other is not None:
-            raise ValueError(
-                f"{type(module).__name__}.forward is patched on the instance with a function that runs the forward "
-                f"of another {type(other).__name__} object (seen after copy.deepcopy of a model that TRL's "
-                "SFTTrainer trained: its fused-LM-head patch keeps the original model's forward). GRPO would sample "
-                "from that other model's weights and train this one's. Pass the model the patch was made on, load "
-                "the weights into a freshly loaded model (`load_state_dict`), or remove the patch: "
-                "`del model.forward`."
-            )
+    patched = patched_forwards(model)
+    if patched:
+        module, other = patched[0]
+        raise ValueError(
+            f"{type(module).__name__}.forward is patched on the instance with a function that runs the forward "
+            f"of another {type(other).__name__} object (seen after copy.deepcopy of a model that TRL's "
+            "SFTTrainer trained: its fused-LM-head patch keeps the original model's forward). GRPO would sample "
+            "from that other model's weights and train this one's. Pass the model the patch was made on, load "
+            "the weights into a freshly loaded model (`load_state_dict`), or remove the patch: "
+            "`del model.forward`."
+        )
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

@@ -440,6 +440,7 @@ class AsyncRollouts:
     def __init__(self, args, accelerator, experience, make_sampler, model: nn.Module, version: int, saved=None):
         self.args, self.accelerator, self.experience = args, accelerator, experience
         self.per_batch = args.steps_per_generation * args.num_iterations  # micro-steps a generation batch serves
+        stream = None
         if args.use_vllm:  # a vLLM server (colocate is refused): it holds the producer's weights
             self.snapshot = ServerWeights(model, version, accelerator)
             self.sampler = make_sampler(model)  # its engine reads the policy's config only
@@ -448,20 +449,28 @@ class AsyncRollouts:
             on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
             self.snapshot = WeightSnapshot(model, version, on_load, saved)
             self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
-        stream = torch.cuda.Stream() if accelerator.device.type == "cuda" and not args.use_vllm else None
+            if saved and version not in saved:  # the policy's own weights, for the batches after the saved ones'
+                self.snapshot.stage(version)
+            if accelerator.device.type == "cuda":
+                stream = torch.cuda.Stream()
         sample = lambda rows: experience.sample_round(rows, self.sampler)  # noqa: E731
         # Rewards of one batch while the next is sampled, unless environments are reused by the next batch while
         # the rewards of this one read them
         pipelined = args.max_staleness > 0 and self.sampler.environments is None
         self.producer = Producer(sample, experience.score_round, self.snapshot, version, stream, pipelined)
         self.published = version
-        if saved and version not in saved and not args.use_vllm:  # the policy's own, for the later batches
-            self.snapshot.stage(version)
         self.lookahead = Lookahead()
         self.last_take = time.monotonic()
         self.recorded = experience.sampler.record_logps  # the run's own sampler's setting, restored at `close`
         if args.dynamic_sampling and args.max_staleness > 0:  # refills join stale rows: their log-probs are needed
             experience.sampler.record_logps = True
+
+    def seed_of(self, k: int, refill: int = 0) -> int | None:
+        """The seed generation batch k (`refill` r > 0: its r-th refill round) draws from: None at max_staleness 0,
+        where the draws come from torch's generator as it stands (`batch_seed`)."""
+        if self.args.max_staleness == 0:
+            return None
+        return batch_seed(self.args.seed, k, self.accelerator.process_index, refill)
 
     def steps_before(self, k: int) -> int:
         """Optimizer steps the policy has taken when it starts training on generation batch k."""
@@ -481,8 +490,7 @@ class AsyncRollouts:
         for offset, rows in enumerate(batches + beyond):
             m = micro_step + offset
             if m % self.per_batch == 0 and not self.producer.submitted(k := m // self.per_batch):
-                seed = None if s == 0 else batch_seed(self.args.seed, k, self.accelerator.process_index)
-                self.producer.submit(k, rows, self.steps_before(k) - s, seed)
+                self.producer.submit(k, rows, self.steps_before(k) - s, self.seed_of(k))
         return batches
 
     def train_batches(self, k: int, version: int, metrics) -> list:
@@ -519,10 +527,7 @@ class AsyncRollouts:
         generator); at 0 from the generator as it stands, as the synchronous run. The reward functions are not running
         in the producer's threads meanwhile either: they are never called twice at once."""
         cuda = torch.cuda.current_stream() if self.accelerator.device.type == "cuda" else None
-        seed = None
-        if self.args.max_staleness > 0:
-            seed = batch_seed(self.args.seed, k, self.accelerator.process_index, refill=r)
-        with self.snapshot.exclusive(), self.producer.scoring, _seeded(seed, cuda):
+        with self.snapshot.exclusive(), self.producer.scoring, _seeded(self.seed_of(k, refill=r), cuda):
             yield
 
     def saved_weights(self, micro_step: int) -> dict[int, list[torch.Tensor]]:

@@ -117,12 +117,17 @@ def evaluate_stage(model, tokenizer, held_out, tools, args, config, template_kwa
     return {**metrics, "seconds": time.time() - start}
 
 
+def arm_tools(arm: str) -> list:
+    """The tools an arm's prompts list and its episodes call."""
+    return [multiply] if arm == "tools" else []
+
+
 def run_arm(arm: str, args: ScriptArguments, config: GRPOConfig, tokenizer, held_out, template_kwargs) -> dict:
     """Base -> warm start -> GRPO once per seed for one arm, with a greedy evaluation after each; the metrics, logs
     and timings. The warm start runs once (with the first seed); each seed's GRPO trains a freshly loaded model given
     the warm-started weights, so every seed starts from the same model. Each seed's GRPO draws its own training
     problems and samples; the held-out problems are the same throughout."""
-    tools = [multiply] if arm == "tools" else []
+    tools = arm_tools(arm)
     model = load_model(resolve_model_path(args.model_name_or_path), dtype="float32")
     stages = {"base": evaluate_stage(model, tokenizer, held_out, tools, args, config, template_kwargs)}
     start = time.time()
@@ -164,7 +169,7 @@ def training_problems(args: ScriptArguments, seed: int):
 
 def run_grpo(arm: str, seed: int, model, args, config: GRPOConfig, tokenizer, held_out, template_kwargs) -> dict:
     """One seed's GRPO from the warm-started `model`, then its greedy evaluation."""
-    tools = [multiply] if arm == "tools" else []
+    tools = arm_tools(arm)
     config = copy.copy(config)  # this run's seed and folder (`dataclasses.replace` would re-derive the batch sizes)
     config.seed, config.output_dir = seed, os.path.join(config.output_dir, f"{arm}_seed{seed}")
     set_seed(seed)
