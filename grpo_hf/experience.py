@@ -67,6 +67,7 @@ class Produced:
     errors: dict[str, int] | None = None
     logs: RewardLogs | None = None
     failure: Exception | None = None
+    trainer_state: Any = None  # what the reward functions see as `trainer_state` (None: Trainer's, as it stands)
 
 
 @dataclass(frozen=True)
@@ -290,19 +291,22 @@ class ExperienceMaker:
         producer thread runs this (`grpo_hf.producer`), the main thread `finish_round`."""
         return self.score_round(self.sample_round(inputs, sampler))
 
-    def sample_round(self, inputs: list[dict[str, Any]], sampler: Sampler | None = None) -> Produced:
-        """`produce`'s first half: the rows sampled, not yet scored."""
+    def sample_round(
+        self, inputs: list[dict[str, Any]], sampler: Sampler | None = None, trainer_state=None
+    ) -> Produced:
+        """`produce`'s first half: the rows sampled, not yet scored (`trainer_state`: what their reward functions will
+        see, None: Trainer's state as it stands when they run)."""
         prompts = [row.get("prompt") for row in inputs]  # None: an environment's reset gives it
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
         self.num_generate_calls += 1
         sampled = (sampler or self.sampler).sample(prompts, columns)  # may add columns (rollout_func's, environments)
-        return Produced(sampled.prompts or prompts, columns, sampled)
+        return Produced(sampled.prompts or prompts, columns, sampled, trainer_state=trainer_state)
 
     def score_round(self, produced: Produced) -> Produced:
         """`produce`'s second half: `produced`'s rows scored by the reward functions (what they raise is kept in
         `failure`, reported by every process in `finish_round`)."""
         try:
-            scores = self.score(produced.prompts, produced.columns, produced.sampled)
+            scores = self.score(produced.prompts, produced.columns, produced.sampled, produced.trainer_state)
             produced.rewards, produced.texts, produced.errors, produced.logs = scores
         except Exception as error:  # reported by every process (`stop_together`), not only by this one
             produced.failure = error
@@ -386,7 +390,7 @@ class ExperienceMaker:
             return 128 if self.accelerator.device.type == "neuron" else None
         return value
 
-    def score(self, prompts, columns, sampled: Sampled):
+    def score(self, prompts, columns, sampled: Sampled, trainer_state=None):
         """Rewards [B, R] (NaN = None) of each completion, its text, the error counts of skipped rewards, and what the
         reward functions logged through `log_extra` / `log_metric` (`rewards.calling.RewardLogs`).
 
@@ -409,7 +413,7 @@ class ExperienceMaker:
             completions,
             completion_id_lists,
             columns=columns,
-            trainer_state=self.state(),
+            trainer_state=self.state() if trainer_state is None else trainer_state,
             timeout=self.args.reward_timeout,
             error_policy=self.args.reward_error_policy,
             logs=(logs := RewardLogs(len(completions))),

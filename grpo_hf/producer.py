@@ -41,13 +41,14 @@ the model itself draws while it trains: dropout).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +62,16 @@ logger = logging.getLogger(__name__)
 
 # A trainer waiting this long for a generation batch warns, naming what the producer is doing (again each interval).
 STALL_WARNING_SECONDS = 300.0
+# `close` waits this long in all for the producer's threads to finish the calls they are in, then warns, naming them.
+CLOSE_WAIT_SECONDS = 30.0
 
 
 class WeightSnapshot:
     """The producer's copy of `model` (unwrapped), at one version at a time: the main thread stages each version's
     weights after the policy reaches it (`stage`), the producer loads the version a generation batch is sampled by
-    (`load`). `saved`: versions from a checkpoint (a resumed run), {version: tensors}."""
+    (`load`), and the main thread releases the versions no batch still waiting needs (`release_before`). Only the
+    tensors that train are staged (a LoRA policy's adapters, not its frozen base): the rest are the copy's own from
+    the start. `saved`: versions from a checkpoint (a resumed run), {version: tensors}."""
 
     def __init__(self, model: nn.Module, version: int, on_load=None, saved: dict[int, list] | None = None):
         self.source = model
@@ -75,39 +80,46 @@ class WeightSnapshot:
         for param in self.model.parameters():
             param.grad = None
         self.model.eval()
+        # the tensors a version changes: the policy's trainable parameters and its buffers, by position
+        params = [p.requires_grad for p in model.parameters()]
+        self._moving = [i for i, trains in enumerate(params) if trains] + list(
+            range(len(params), len(params) + len(list(model.buffers())))
+        )
         self.version, self.on_load = version, None
         self._lock = threading.Lock()
         self._sampling = threading.Lock()  # held by the producer's sampling, or by a refill (`exclusive`)
         self._staged: dict[int, tuple[list[torch.Tensor], Any]] = {}  # version -> (its tensors, CUDA event or None)
+        self._copied = _cuda_event(self.model)  # the copy was made on the main thread's stream
         if saved:
             for saved_version, tensors in saved.items():
-                self._staged[saved_version] = ([t.to(self.model.device) for t in tensors], None)
+                self._staged[saved_version] = ([t.to(self.model.device) for t in tensors], _cuda_event(self.model))
             oldest = min(saved)
             self.version = oldest - 1  # so that `load(oldest)` takes the saved weights
             self.load(oldest)
         self.on_load = on_load  # told after each load (the producer's engine: `Sampler.weights_updated`)
 
     def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
-        return [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+        tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+        return [tensors[i] for i in self._moving]
 
     def stage(self, version: int) -> None:
-        """Main thread, once the policy reached `version`: a copy of its weights."""
+        """Main thread, once the policy reached `version`: a copy of the weights that train."""
         with torch.no_grad():
             tensors = [t.detach().clone() for t in self._tensors(self.source)]
-        ready = None
-        if tensors and tensors[0].is_cuda:  # the producer's stream waits for these copies
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = _cuda_event(self.source)  # the producer's stream waits for these copies
         with self._lock:
             self._staged[version] = (tensors, ready)
 
     def load(self, version: int) -> int:
         """Producer thread, before a generation batch: the weights of `version` into the copy (none older than the
         copy's own: a run's first batches, whose versions precede the run, take the copy as it is); returns the
-        version the copy now holds. Staged versions before it are dropped."""
+        version the copy now holds. Staged versions stay until `release_before` drops them."""
         with self._lock:
+            if self._copied is not None:  # the copy itself, made on the main thread's stream
+                torch.cuda.current_stream().wait_event(self._copied)
+                self._copied = None
             if version > self.version:
-                tensors, ready = self._staged.pop(version)
+                tensors, ready = self._staged[version]
                 if ready is not None:  # staged on the trainer's stream, read on the producer's
                     torch.cuda.current_stream().wait_event(ready)
                     for tensor in tensors:
@@ -117,9 +129,13 @@ class WeightSnapshot:
                 self.version = version
                 if self.on_load is not None:
                     self.on_load(self.model)
-            for older in [v for v in self._staged if v < self.version]:
-                del self._staged[older]
             return self.version
+
+    def release_before(self, version: int) -> None:
+        """Main thread: the staged versions before `version` dropped (no batch still waiting is sampled by them)."""
+        with self._lock:
+            for older in [v for v in self._staged if v < version]:
+                del self._staged[older]
 
     @contextlib.contextmanager
     def sampling(self, version: int):
@@ -133,13 +149,24 @@ class WeightSnapshot:
         return self._sampling
 
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
-        """The weights of every version from `version` on that the copy holds or has staged, on the CPU (what a
-        checkpoint keeps for the batches not yet sampled)."""
+        """The weights that train, of every version from `version` on that the copy holds or has staged, on the CPU
+        (what a checkpoint keeps for the batches not yet trained on)."""
         with self._lock:
             held = {v: tensors for v, (tensors, _) in self._staged.items() if v >= version}
             if self.version >= version:
                 held[self.version] = self._tensors(self.model)
             return {v: [t.detach().cpu().clone() for t in tensors] for v, tensors in sorted(held.items())}
+
+
+def _cuda_event(model: nn.Module):
+    """An event recorded now on the current CUDA stream if `model` is on a GPU (what another stream waits for before
+    reading what this one wrote), else None."""
+    first = next(model.parameters(), None)
+    if first is None or not first.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class ServerWeights:
@@ -178,10 +205,18 @@ class ServerWeights:
         with self._lock:
             yield self.version
 
+    @contextlib.contextmanager
     def exclusive(self):
-        """Main thread: no generation batch is sampled meanwhile (a dynamic-sampling refill, which pushes the policy's
-        weights with the run's own engine: later batches may then be sampled by newer weights than recorded)."""
-        return self._lock
+        """Main thread: no generation batch of any process is sampled meanwhile (a dynamic-sampling refill or an
+        evaluation, which push the policy's weights with the run's own engine: later batches may then be sampled by
+        newer weights than recorded). Every process's main thread comes here at the same point of the run."""
+        with self._lock:
+            if self.accelerator.num_processes > 1:
+                self.accelerator.wait_for_everyone()  # every process's producer is between batches
+            yield
+
+    def release_before(self, version: int) -> None:
+        """Nothing staged here: the server holds one version."""
 
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
         """Nothing to keep in a checkpoint: a resumed run pushes its own weights, which every batch may be sampled by
@@ -211,48 +246,60 @@ class Lookahead:
 
 
 @dataclass
+class _Request:
+    rows: list[dict]  # this process's rows of the generation batch
+    admit_at: int  # the version it is sampled by, and may start at
+    seed: int | None  # its random draws' seed (None: torch's global generator as it stands)
+    state: Any  # the trainer state its reward functions see (`AsyncRollouts.frozen_state`)
+
+
+@dataclass
 class _Handed:
     produced: Any  # `experience.Produced`
     version: int  # the weights' version that sampled it
     admission_wait: float  # seconds the producer waited to be allowed to start it
+    scored: bool  # False: its reward functions are to run on the main thread (`Producer(scores=False)`)
 
 
 class Producer:
     """The producer thread: generation batches in order, each sampled once admitted (see the module docstring).
     `pipelined`: a scorer thread of its own runs the reward functions of batch k while the producer samples batch
-    k + 1 (when admitted), so that a slow reward does not hold the sampling up either."""
+    k + 1 (when admitted), so that a slow reward does not hold the sampling up either. `lockstep` (max_staleness 0):
+    batch k is sampled only once the trainer asks for it (`take`), so the producer and the trainer take turns as the
+    synchronous run's steps do. `scores=False`: no reward function runs in these threads (sharded reward models, whose
+    forwards are collective): the main thread scores each batch when it takes it. `names`: the reward functions', for
+    the messages."""
 
-    def __init__(self, sample, score, snapshot: WeightSnapshot, version: int, stream=None, pipelined: bool = False):
+    def __init__(self, sample, score, snapshot, version: int, stream=None, *, pipelined=False, lockstep=False,
+                 scores=True, names=()):  # fmt: skip
         self.sample, self.score, self.snapshot, self.stream = sample, score, snapshot, stream
+        self.lockstep, self.scores, self.names = lockstep, scores, list(names)
         self._changed = threading.Condition()
-        # batch -> (its rows, the version it is sampled by and may start at, its seed or None: the global stream)
-        self._requests: dict[int, tuple[list[dict], int, int | None]] = {}
+        self._requests: dict[int, _Request] = {}  # submitted, not yet started
         self._handed: dict[int, _Handed] = {}
         self._version = version  # the policy's, published after each optimizer step
         self._next: int | None = None  # the batch the producer takes next
+        self._wanted = -1  # the last batch the trainer asked for (`take`)
         self._error: tuple[int, BaseException] | None = None
         self._closed = self._paused = False
         self._busy = 0  # batches being sampled or scored
-        self._started = False  # nothing is sampled before the trainer's first `take` (see `take`)
         self._doing = {"sampler": "waiting for its first batch", "scorer": None}  # for the stall warning
-        self._scorer = futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_hf-scorer") if pipelined else None
         self.scoring = threading.Lock()  # held while reward functions run (a refill's too: never two at once)
-        self._thread = threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)
-        self._thread.start()
+        self._to_score: queue.SimpleQueue | None = queue.SimpleQueue() if pipelined and scores else None
+        self._threads = [threading.Thread(target=self._run, name="grpo_hf-producer", daemon=True)]
+        if self._to_score is not None:  # a daemon: interpreter exit never waits for a reward call in flight
+            self._threads.append(threading.Thread(target=self._scorer, name="grpo_hf-scorer", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     # ---- the main thread -------------------------------------------------------------------------------------------
-    def submit(self, k: int, rows: list[dict], admit_at: int, seed: int | None) -> None:
-        """Generation batch k: its `rows`, sampled by the weights of version `admit_at` once the policy has reached
-        it, its random draws from `seed` (None: torch's global generator as it stands)."""
+    def submit(self, k: int, request: _Request) -> None:
+        """Generation batch k, sampled by the weights of version `request.admit_at` once the policy has reached it."""
         with self._changed:
             if self._next is None:
                 self._next = k
-            self._requests[k] = (rows, admit_at, seed)
+            self._requests[k] = request
             self._changed.notify_all()
-
-    def submitted(self, k: int) -> bool:
-        with self._changed:
-            return k in self._requests or k in self._handed or (self._next is not None and k < self._next)
 
     def publish(self, version: int) -> None:
         """The policy took its `version`-th optimizer step (its weights were staged first)."""
@@ -261,13 +308,13 @@ class Producer:
             self._changed.notify_all()
 
     def take(self, k: int) -> _Handed:
-        """Batch k, once produced; what the producer raised instead is raised here. The first call lets the producer
-        start: Trainer sets torch's random state after reading the first batches of a resumed run, which must not
-        land in the middle of a batch's draws."""
+        """Batch k, once produced; what the producer raised instead is raised here. Nothing is sampled before the
+        first call: Trainer sets torch's random state after reading the first batches of a resumed run, which must
+        not land in the middle of a batch's draws."""
         waited = 0.0
         with self._changed:
-            if not self._started:
-                self._started = True
+            if k > self._wanted:
+                self._wanted = k
                 self._changed.notify_all()
             while k not in self._handed:
                 if self._error is not None:
@@ -300,70 +347,96 @@ class Producer:
                 self._paused = False
                 self._changed.notify_all()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the threads after the calls they are in, and drop the weights' copy."""
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
+        """Stop the threads after the calls they are in (waiting up to `timeout` seconds in all, then warning, naming
+        what they are still doing), and drop the weights' copy. Batches submitted and not started are dropped."""
         with self._changed:
             self._closed = True
             self._requests.clear()
             self._handed.clear()
             self._changed.notify_all()
-        self._thread.join(timeout)
-        if self._scorer is not None:
-            self._scorer.shutdown(wait=False, cancel_futures=True)
+        if self._to_score is not None:
+            self._to_score.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        if alive := [thread.name for thread in self._threads if thread.is_alive()]:
+            logger.warning(
+                f"Training ended, and the rollout producer's threads ({', '.join(alive)}) are still {self.doing} "
+                f"after {timeout:.0f} s. They are daemon threads: they stop with the process, and their results are "
+                "dropped. A tool or a reward function that never returns keeps them alive: set reward_timeout."
+            )
         self.snapshot = None
 
     @property
     def doing(self) -> str:
         """What the producer's threads are doing (the stall warning's words)."""
-        return "; ".join(what for what in self._doing.values() if what)
+        with self._changed:
+            return "; ".join(what for what in self._doing.values() if what)
 
     # ---- the producer's threads -------------------------------------------------------------------------------
     def _admitted(self) -> bool:
         request = self._requests.get(self._next) if self._next is not None else None
-        admitted = request is not None and self._version >= request[1]
-        return admitted and self._started and not self._paused
+        if request is None or self._paused or self._version < request.admit_at or self._wanted < 0:
+            return False
+        return not self.lockstep or self._next <= self._wanted
 
     def _run(self) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            while True:
-                with self._changed:
-                    start = time.monotonic()
-                    while not self._closed and self._error is None and not self._admitted():
-                        self._doing["sampler"] = f"waiting to be allowed to start generation batch {self._next}"
-                        self._changed.wait()
-                    if self._closed or self._error is not None:
-                        return
-                    k, admission_wait = self._next, time.monotonic() - start
-                    rows, admit_at, seed = self._requests.pop(k)
-                    self._busy, self._doing["sampler"] = self._busy + 1, f"sampling generation batch {k}"
+            while (taken := self._take_admitted()) is not None:
+                k, request, admission_wait = taken
                 try:
-                    with self.snapshot.sampling(admit_at) as version:
-                        with _seeded(seed, self.stream):
-                            sampled = self.sample(rows)
+                    with self.snapshot.sampling(request.admit_at) as version:
+                        with _seeded(request.seed, self.stream, lambda: self._closed):
+                            sampled = self.sample(request.rows, request.state)
                         if self.stream is not None:  # the scorer and the trainer read it on their own streams
                             self.stream.synchronize()
                         with self._changed:
                             self._next = k + 1
-                        if self._scorer is None:  # scored before anything samples again (environments: the next
+                        if self._to_score is None:  # scored before anything samples again (environments: the next
                             self._score(k, sampled, version, admission_wait)  # rows reuse the instances it reads)
                 except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
                     self._failed(k, error)
                     return
-                if self._scorer is not None:
-                    self._scorer.submit(self._score, k, sampled, version, admission_wait)
+                if self._to_score is not None:
+                    self._to_score.put((k, sampled, version, admission_wait))
+
+    def _take_admitted(self) -> tuple[int, _Request, float] | None:
+        """The next admitted batch, its request and how long it waited to be admitted; None once stopped."""
+        with self._changed:
+            start = time.monotonic()
+            while not self._closed and self._error is None and not self._admitted():
+                self._doing["sampler"] = f"waiting to be allowed to start generation batch {self._next}"
+                self._changed.wait()
+            if self._closed or self._error is not None:
+                self._doing["sampler"] = None
+                return None
+            k = self._next
+            self._busy, self._doing["sampler"] = self._busy + 1, f"sampling generation batch {k}"
+            return k, self._requests.pop(k), time.monotonic() - start
+
+    def _scorer(self) -> None:
+        while (item := self._to_score.get()) is not None:
+            if self._closed:
+                return
+            self._score(*item)
 
     def _score(self, k: int, sampled, version: int, admission_wait: float) -> None:
+        if self.scores:
+            with self._changed:
+                what = " and ".join(repr(name) for name in self.names) or "the reward functions"
+                self._doing["scorer"] = f"running {what} on generation batch {k}"
+            try:
+                with self.scoring:
+                    sampled = self.score(sampled)
+            except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
+                self._failed(k, error)
+                return
         with self._changed:
-            self._doing["scorer"] = f"scoring generation batch {k}"
-        try:
-            with self.scoring:
-                produced = self.score(sampled)
-        except BaseException as error:  # noqa: B036  (raised on the main thread, in `take`)
-            self._failed(k, error)
-            return
-        with self._changed:
-            self._handed[k] = _Handed(produced, version, admission_wait)
+            self._handed[k] = _Handed(sampled, version, admission_wait, scored=self.scores)
             self._busy, self._doing["scorer"] = self._busy - 1, None
+            if self._to_score is None:
+                self._doing["sampler"] = None
             self._changed.notify_all()
 
     def _failed(self, k: int, error: BaseException) -> None:
@@ -376,15 +449,24 @@ class Producer:
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None, stream):
-    """torch's generators seeded with `seed` for the duration, and restored after (None: left as they are)."""
+def _seeded(seed: int | None, stream, closed):
+    """torch's generators seeded with `seed` for the duration, and restored after (None: left as they are), unless
+    `closed()` by then: a producer thread still sampling after `train()` returned (see `Producer.close`) must not
+    undo a seed the user set since."""
     if seed is None:
         yield
         return
     devices = [torch.cuda.current_device()] if stream is not None else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    cpu = torch.get_rng_state()
+    cuda = [torch.cuda.get_rng_state(device) for device in devices]
+    torch.manual_seed(seed)
+    try:
         yield
+    finally:
+        if not closed():
+            torch.set_rng_state(cpu)
+            for device, state in zip(devices, cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
 
 
 def _record_stream(value: Any, stream) -> None:
@@ -435,10 +517,12 @@ def async_unsupported_reason(args, *, sharded: bool, rollout_func: bool) -> str 
 class AsyncRollouts:
     """The trainer's side of asynchronous GRPO (see the module docstring). Built when training starts (after a
     resumed run has loaded its weights, `version` being its optimizer steps; `saved`: the producer's weights its
-    checkpoint kept), closed when it ends."""
+    checkpoint kept), closed when it ends. `state`: Trainer's `TrainerState`, as it stands (its `max_steps`; what
+    the reward functions see is a copy, `frozen_state`)."""
 
-    def __init__(self, args, accelerator, experience, make_sampler, model: nn.Module, version: int, saved=None):
-        self.args, self.accelerator, self.experience = args, accelerator, experience
+    def __init__(self, args, accelerator, experience, make_sampler, model: nn.Module, version: int, *, state,
+                 sharded_rewards: bool = False, saved=None):  # fmt: skip
+        self.args, self.accelerator, self.experience, self.state = args, accelerator, experience, state
         self.per_batch = args.steps_per_generation * args.num_iterations  # micro-steps a generation batch serves
         stream = None
         if args.use_vllm:  # a vLLM server (colocate is refused): it holds the producer's weights
@@ -453,12 +537,17 @@ class AsyncRollouts:
                 self.snapshot.stage(version)
             if accelerator.device.type == "cuda":
                 stream = torch.cuda.Stream()
-        sample = lambda rows: experience.sample_round(rows, self.sampler)  # noqa: E731
+        sample = lambda rows, state_: experience.sample_round(rows, self.sampler, trainer_state=state_)  # noqa: E731
         # Rewards of one batch while the next is sampled, unless environments are reused by the next batch while
         # the rewards of this one read them
         pipelined = args.max_staleness > 0 and self.sampler.environments is None
-        self.producer = Producer(sample, experience.score_round, self.snapshot, version, stream, pipelined)
+        self.producer = Producer(
+            sample, experience.score_round, self.snapshot, version, stream, pipelined=pipelined,
+            lockstep=args.max_staleness == 0, scores=not sharded_rewards, names=experience.rewards.names,
+        )  # fmt: skip
         self.published = version
+        self.admitted: dict[int, int] = {}  # generation batch -> the version it is sampled by, until trained on
+        self.next_submit = 0  # the first generation batch not yet submitted
         self.lookahead = Lookahead()
         self.last_take = time.monotonic()
         self.recorded = experience.sampler.record_logps  # the run's own sampler's setting, restored at `close`
@@ -472,25 +561,39 @@ class AsyncRollouts:
             return None
         return batch_seed(self.args.seed, k, self.accelerator.process_index, refill)
 
-    def steps_before(self, k: int) -> int:
-        """Optimizer steps the policy has taken when it starts training on generation batch k."""
-        return k * self.per_batch // self.args.gradient_accumulation_steps
+    def frozen_state(self, trains_at: int):
+        """What the reward functions of a generation batch trained at optimizer step `trains_at` + 1 see: a copy of
+        Trainer's state with `global_step` = `trains_at`, as the synchronous run's rewards see it (not the live
+        state, whose step moves while the producer scores)."""
+        frozen = copy.copy(self.state)
+        frozen.global_step, frozen.log_history = trains_at, list(self.state.log_history)
+        return frozen
 
     def read(self, iterator: Iterator, num_batches: int, micro_step: int, version: int) -> list:
         """Trainer's next `num_batches` dataloader batches (micro-steps `micro_step`, ...), at the start of the
         policy's optimizer step `version` + 1: the weights of `version` are published to the producer (here, once
         the last step's checkpoint has saved the random state), and the generation batches among the batches and
-        those read ahead are submitted to it."""
+        those read ahead are submitted to it.
+
+        Admission comes from the steps Trainer takes: within an epoch every optimizer step but the last has
+        gradient_accumulation_steps micro-steps, and what is read ahead never crosses the epoch's end (`Lookahead`),
+        so the batch `offset` micro-steps from now starts training after `version + offset // GA` steps, whatever
+        the epoch's length. Batches the run will not train on (beyond `max_steps`) are not submitted."""
         if version > self.published:
             self.snapshot.stage(version)
             self.producer.publish(version)
             self.published = version
-        s = self.args.max_staleness
+        s, accumulation = self.args.max_staleness, self.args.gradient_accumulation_steps
         batches, beyond = self.lookahead.take(iterator, num_batches, (s + 1) * self.per_batch)
         for offset, rows in enumerate(batches + beyond):
-            m = micro_step + offset
-            if m % self.per_batch == 0 and not self.producer.submitted(k := m // self.per_batch):
-                self.producer.submit(k, rows, self.steps_before(k) - s, self.seed_of(k))
+            m, trains_at = micro_step + offset, version + offset // accumulation
+            if m % self.per_batch or (k := m // self.per_batch) < self.next_submit:
+                continue
+            if trains_at >= self.state.max_steps > 0:
+                break
+            self.admitted[k], self.next_submit = trains_at - s, k + 1
+            request = _Request(rows, trains_at - s, self.seed_of(k), self.frozen_state(trains_at))
+            self.producer.submit(k, request)
         return batches
 
     def train_batches(self, k: int, version: int, metrics) -> list:
@@ -501,6 +604,8 @@ class AsyncRollouts:
             _record_stream(handed.produced, torch.cuda.current_stream())
         now = time.monotonic()
         elapsed, waited, self.last_take = max(now - self.last_take, 1e-9), now - start, now
+        self.admitted.pop(k, None)  # the versions only this batch was sampled by are no longer needed
+        self.snapshot.release_before(min(self.admitted.values(), default=version - self.args.max_staleness))
         local = torch.tensor([float(version - handed.version)], device=self.accelerator.device)
         stalenesses = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
         staleness = int(stalenesses.max().item())
@@ -513,9 +618,13 @@ class AsyncRollouts:
         metrics["async/staleness_max"].append(float(staleness))
         metrics["async/trainer_wait_fraction"].append(min(waited / elapsed, 1.0))
         metrics["async/producer_wait_fraction"].append(min(handed.admission_wait / elapsed, 1.0))
+        produced = handed.produced
+        if not handed.scored:  # sharded reward models: their forwards are collective, run here by every process
+            with self.producer.scoring:
+                produced = self.experience.score_round(produced)
         self.experience.refill_context = lambda r: self._refilling(k, r)  # noqa: E731
         try:
-            return self.experience.produced_batches(handed.produced, staleness)
+            return self.experience.produced_batches(produced, staleness)
         finally:
             self.experience.refill_context = None
 
@@ -527,19 +636,25 @@ class AsyncRollouts:
         generator); at 0 from the generator as it stands, as the synchronous run. The reward functions are not running
         in the producer's threads meanwhile either: they are never called twice at once."""
         cuda = torch.cuda.current_stream() if self.accelerator.device.type == "cuda" else None
-        with self.snapshot.exclusive(), self.producer.scoring, _seeded(self.seed_of(k, refill=r), cuda):
+        with self.snapshot.exclusive(), self.producer.scoring, _seeded(self.seed_of(k, refill=r), cuda, bool):
             yield
 
-    def saved_weights(self, micro_step: int) -> dict[int, list[torch.Tensor]]:
-        """For a checkpoint at `micro_step`: the producer's weights of each version the batches not yet sampled or
-        not yet trained on are sampled by (none at max_staleness 0: the policy's own)."""
+    def saved_weights(self) -> dict[int, list[torch.Tensor]]:
+        """For a checkpoint: the producer's weights of each version the batches not yet trained on are sampled by
+        (none at max_staleness 0: the policy's own). Those already submitted were admitted at the versions
+        `admitted` holds; those not yet submitted at `steps_before - max_staleness` or later, and `steps_before` is
+        at least the steps taken."""
         if self.args.max_staleness == 0:
             return {}
-        first = -(-micro_step // self.per_batch)  # the first generation batch not yet taken
-        return self.snapshot.versions_from(self.steps_before(first) - self.args.max_staleness)
+        floor = self.state.global_step - self.args.max_staleness
+        return self.snapshot.versions_from(min(self.admitted.values(), default=floor))
 
+    @contextlib.contextmanager
     def paused(self):
-        return self.producer.paused()
+        """Evaluation: no generation batch under way meanwhile, on any process with a vLLM server (whose weights the
+        evaluation's engine pushes)."""
+        with self.producer.paused(), self.snapshot.exclusive():
+            yield
 
     def close(self) -> None:
         self.producer.close()
@@ -582,7 +697,11 @@ class Producing:
             policy, sampler = self.accelerator.unwrap_model(self.model), self.experience.sampler
             saved, self._saved_producer_weights = self._saved_producer_weights, None
             args = (self.args, self.accelerator, self.experience, sampler.for_model, policy, self.state.global_step)
-            self.async_rollouts = AsyncRollouts(*args, saved=saved)
+            sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
+            reward_models = any(isinstance(getattr(f, "model", None), nn.Module) for f in self.reward_funcs)
+            self.async_rollouts = AsyncRollouts(
+                *args, state=self.state, sharded_rewards=sharded and reward_models, saved=saved
+            )
         batches = self.async_rollouts.read(epoch_iterator, num_batches, self._micro_step, self.state.global_step)
         return batches, self._get_num_items_in_batch(batches, device)
 

@@ -434,7 +434,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
             "metrics": self._metrics.state(),
         }
         if self.async_rollouts is not None:  # the producer's weights the batches not yet trained on are sampled by
-            state["producer_weights"] = self.async_rollouts.saved_weights(self._micro_step)
+            state["producer_weights"] = self.async_rollouts.saved_weights()
         if self.reference_sync is not None:
             state.update(self.reference_sync.state())
         return state
