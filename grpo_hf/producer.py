@@ -347,9 +347,10 @@ class Producer:
                 self._paused = False
                 self._changed.notify_all()
 
-    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
-        """Stop the threads after the calls they are in (waiting up to `timeout` seconds in all, then warning, naming
-        what they are still doing), and drop the weights' copy. Batches submitted and not started are dropped."""
+    def close(self) -> None:
+        """Stop the threads after the calls they are in (waiting up to `CLOSE_WAIT_SECONDS` in all, then warning,
+        naming what they are still doing), and drop the weights' copy. Batches not started are dropped."""
+        timeout = CLOSE_WAIT_SECONDS
         with self._changed:
             self._closed = True
             self._requests.clear()
