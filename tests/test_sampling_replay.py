@@ -163,11 +163,15 @@ def test_replayed_old_logps_give_a_weight_of_one_against_the_samplers_own(tokeni
 
 # ---- whole runs at learning_rate 0: the weights unchanged, so every weight is 1 -----------------------------------
 def _recording_weights(monkeypatch) -> list:
-    """Every weight the loss applies (None where none), as the objective computes it."""
+    """Every weight the loss applies (None where none), as the objective computes it, and the drift from the sampler
+    the off-policy mask would measure (`Objective.off_policy_logps`)."""
     weights, original = [], Objective.sampling_weight
 
     def recording(self, logps, batch):
         weight, metrics = original(self, logps, batch)
+        if weight is not None:
+            drift = (logps.detach() - Objective.off_policy_logps(logps, batch))[batch.completion_mask.bool()]
+            torch.testing.assert_close(drift, torch.zeros_like(drift), rtol=0, atol=1e-4)
         weights.append((None if weight is None else weight.detach().clone(), batch))
         return weight, metrics
 
