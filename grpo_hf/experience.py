@@ -42,6 +42,7 @@ from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_conversational, split_into_micro_batches
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
 from grpo_hf.rollout.sampler import Generation, Sampled, Sampler
+from grpo_hf.rollout.sampling import SamplingReplay
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images
 from grpo_hf.vision import encode_rows, is_processor, tokenizer_of
 
@@ -114,6 +115,7 @@ class ExperienceMaker:
         self.num_image_encodings = 0  # prompts whose images were encoded for the log-prob forwards (tests count)
         self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
         self.state, self.sampler, self.train_rows = state, sampler, train_rows
+        self.replay = self.sampling_replay()
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
         # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
         # inside one accumulation window.
@@ -169,10 +171,32 @@ class ExperienceMaker:
         self.encode_images(rollout)
         with torch.no_grad():
             for batch in batches:
-                batch.old_logps = self.logps.no_grad(self.models.policy(), batch) if self.needs_old_logps else None
+                self.set_old_logps(batch)
                 batch.ref_logps = self.reference_logps(batch)
         self._set_token_counts(batches)
         return batches
+
+    def sampling_replay(self) -> SamplingReplay | None:
+        """The distribution the engines draw from (`sampling.SamplingReplay`, the settings resolved as they resolve
+        them), for the weight of a correction (vLLM's, or a stale batch's: `sampling_correction`); None without one,
+        or when it is the trainer's temperature-only softmax."""
+        if self.args.sampling_correction() is None:
+            return None
+        policy = self.accelerator.unwrap_model(self.models.policy())
+        return SamplingReplay.of(policy, self.sampler.generation.generation_config, self.args.temperature)
+
+    def set_old_logps(self, batch: MicroBatch) -> None:
+        """`batch.old_logps` where an optimizer step separates the rollout from its last use (else None: the current
+        policy's, detached). A batch the loss corrects (it has the sampler's log-probs) under sampling settings that
+        penalise or truncate (`replay`) also gets `old_sampling_logps`: pi_old under the sampling distribution, for the
+        weight pi_old / pi_sampler only, from the same forward (one more forward where old log-probs are not needed:
+        no optimizer step separates it from the training forwards, so the policy is the one they run)."""
+        policy = self.models.policy()
+        if self.replay is None or batch.sampling_logps is None:
+            batch.old_logps = self.logps.no_grad(policy, batch) if self.needs_old_logps else None
+            return
+        old_logps, batch.old_sampling_logps = self.logps.no_grad(policy, batch, replay=self.replay)
+        batch.old_logps = old_logps if self.needs_old_logps else None
 
     def eval_batch(self, inputs: list[dict[str, Any]]) -> MicroBatch | None:
         """An evaluation batch, sampled with `num_generations_eval` completions per prompt, scored, with advantages

@@ -220,6 +220,18 @@ def padded_logps(
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     """
+    completion_ids = batch.completion_ids
+    logits = _padded_logits(model, batch, router_aux)  # [B, T + 1, V]
+    # The log-softmax runs over all T + 1 kept positions, the last one against a dummy token, and its result is cut to
+    # T: `logits[:, :-1]` would be a view whose rows cannot be flattened, walked row by row (B times the chunks).
+    index = nn.functional.pad(completion_ids, (0, 1))  # [B, T + 1], token 0 at the dummy position
+    logps, entropy = _logps_and_entropy(logits, index, temperature, chunk_size, with_entropy, entropy_grad)
+    return logps[:, :-1], (entropy[:, :-1] if with_entropy else None)  # [B, T] each
+
+
+def _padded_logits(model: nn.Module, batch: Batch, router_aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits [B, T + 1, V] of `padded_logps`' one forward: the T + 1 last positions of the padded prompt +
+    completion rows, the first T predicting the completion tokens."""
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
     completion_ids = batch.completion_ids
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
@@ -240,12 +252,7 @@ def padded_logps(
     )
     if router_aux is not None:
         router_aux.append(outputs.aux_loss)
-    # The log-softmax runs over all T + 1 kept positions, the last one against a dummy token, and its result is cut to
-    # T: `logits[:, :-1]` would be a view whose rows cannot be flattened, walked row by row (B times the chunks).
-    logits = outputs.logits  # [B, T + 1, V]
-    index = nn.functional.pad(completion_ids, (0, 1))  # [B, T + 1], token 0 at the dummy position
-    logps, entropy = _logps_and_entropy(logits, index, temperature, chunk_size, with_entropy, entropy_grad)
-    return logps[:, :-1], (entropy[:, :-1] if with_entropy else None)  # [B, T] each
+    return outputs.logits
 
 
 def shared_prefix_logps(
@@ -303,18 +310,56 @@ def completion_logps(
 
 
 @torch.no_grad()
-def logps_in_chunks(model: nn.Module, batch: Batch, micro_batch_size: int, *, share_prefix: bool, **kwargs):
+def logps_and_replayed(
+    model: nn.Module,
+    batch: Batch,
+    replay: Callable[[Batch, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    share_prefix: bool,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No grad: `completion_logps` [B, T] and, from the same logits, `replay(batch, rows, logits [n, t, V]) -> [n, t]`
+    [B, T] (`rollout.sampling.SamplingReplay`: the log-probs under the distribution the sampler drew from). One
+    forward for both; the first equals `completion_logps`' bit for bit. Positions past a row's bucket get 0."""
+    completion_ids = batch.completion_ids
+    T = completion_ids.size(1)
+    logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)  # [B, T]
+    replayed = torch.zeros_like(logps)  # [B, T]
+    if share_prefix:
+        parts = shared_prefix_logits(model, batch)  # (rows [n], logits [n, t, V]) per bucket, t <= T
+    else:
+        parts = [(torch.arange(len(batch), device=completion_ids.device), _padded_logits(model, batch))]  # t = T + 1
+    for rows, logits in parts:
+        t = min(logits.size(1), T)
+        index = nn.functional.pad(completion_ids[rows, :t], (0, logits.size(1) - t))  # [n, t(+1)], 0 at a dummy
+        part, _ = _logps_and_entropy(logits, index, temperature, chunk_size, False)  # [n, t(+1)]
+        logps = logps.to(part.dtype)
+        logps[rows, :t] = part[:, :t]
+        replayed[rows, :t] = replay(batch, rows, logits[:, :t])
+    return logps, replayed
+
+
+@torch.no_grad()
+def logps_in_chunks(
+    model: nn.Module, batch: Batch, micro_batch_size: int, *, share_prefix: bool, replay=None, **kwargs
+):
     """No-grad log-probs [B, T] for a whole generation batch, `micro_batch_size` rows at a time, dropout off.
-    With `with_entropy=True` in `kwargs`: `(logps, entropy)`, both [B, T]."""
+    With `with_entropy=True` in `kwargs`: `(logps, entropy)`, both [B, T]; with a `replay` (`logps_and_replayed`):
+    `(logps, replayed)`."""
     was_training = model.training
     model.eval()
     try:
         parts = []
         for start in range(0, len(batch), micro_batch_size):
             part = batch.rows(start, start + micro_batch_size)
-            parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs))
+            if replay is not None:
+                parts.append(logps_and_replayed(model, part, replay, share_prefix=share_prefix, **kwargs))
+            else:
+                parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs))
         logps = torch.cat([part[0] for part in parts])  # [B, T]
-        return (logps, torch.cat([part[1] for part in parts])) if kwargs.get("with_entropy") else logps
+        paired = kwargs.get("with_entropy") or replay is not None
+        return (logps, torch.cat([part[1] for part in parts])) if paired else logps
     finally:
         model.train(was_training)
 
@@ -423,8 +468,9 @@ class LogprobPath:
         return {"share_prefix": plan.share_prefix, "temperature": self.temperature, "chunk_size": plan.chunk_size}
 
     def no_grad(self, model: nn.Module, batch: Batch, **kwargs):
-        """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy), autocast on: the
-        fast path calls the decoder and LM head directly, not the autocast-wrapped forward."""
+        """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy; with `replay`:
+        and the replayed log-probs), autocast on: the fast path calls the decoder and LM head directly, not the
+        autocast-wrapped forward."""
         first = batch.rows(0, self.micro_batch_size)  # the memory plan's sample; the images' check reads every row
         plan = self.planner.plan(self.accelerator.unwrap_model(model), first, self._blocker(model, batch), grad=False)
         with self.accelerator.autocast():

@@ -73,7 +73,7 @@ class Objective:
             num_items=batch.num_items_in_batch if train else mask.sum(),
             policy_mask=policy_mask,
             sampling_weight=sampling_weight,
-            off_policy_logps=batch.sampling_logps,  # the off-policy mask's reference where the sampler gave it
+            off_policy_logps=self.off_policy_logps(logps, batch),  # the mask's reference where the sampler gave it
         )
         metrics.update(sampling_metrics)
         if train and LOSS_VARIANTS[settings.loss_type].aggregation == "dapo":  # dapo, cispo, vespo: global tokens
@@ -92,16 +92,30 @@ class Objective:
         return loss, metrics
 
     def sampling_weight(self, logps: Tensor, batch: MicroBatch) -> tuple[Tensor | None, dict[str, float]]:
-        """vLLM's importance-sampling correction (`core.sampling_importance_weights`): the weight pi_old / pi_vllm
-        [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the correction off
-        (`correction` None). Without old log-probs (no optimizer step since the rollout) pi_old is the current
-        policy's, detached."""
+        """vLLM's importance-sampling correction and decoupled PPO's (`core.sampling_importance_weights`): the weight
+        pi_old / pi_sampler [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the
+        correction off (`correction` None). Without old log-probs (no optimizer step since the rollout) pi_old is the
+        current policy's, detached. Both under the distribution the sampler drew from: pi_old's replayed there
+        (`batch.old_sampling_logps`) where the sampling settings penalise or truncate (`sampling.SamplingReplay`)."""
         if self.correction is None or batch.sampling_logps is None:
             return None, {}
         old_logps = logps.detach() if batch.old_logps is None else batch.old_logps
+        if batch.old_sampling_logps is not None:
+            old_logps = batch.old_sampling_logps
         weight, values = self.correction.weights(old_logps, batch.sampling_logps, batch.completion_mask)
         floats = torch.stack(list(values.values())).tolist()  # one sync per micro-batch
         return weight, {f"sampling/{name}": value for name, value in zip(values, floats, strict=True)}
+
+    @staticmethod
+    def off_policy_logps(logps: Tensor, batch: MicroBatch) -> Tensor | None:
+        """The sampler's log-probs as the off-policy mask (`off_policy_mask_threshold`) compares them with the policy's
+        temperature-only `logps` [B, T]: as they are, or, where pi_old is replayed under the sampling distribution,
+        moved into the policy's by pi_old's own difference, so that the drift is log(pi / pi_old) + log(pi_old /
+        pi_sampler), each term like with like."""
+        if batch.sampling_logps is None or batch.old_sampling_logps is None:
+            return batch.sampling_logps
+        old_logps = logps.detach() if batch.old_logps is None else batch.old_logps
+        return batch.sampling_logps + (old_logps - batch.old_sampling_logps)  # [B, T]
 
     @property
     def needs_entropy(self) -> bool:

@@ -94,6 +94,9 @@ class MicroBatch(Sequences):
     old_logps: Tensor | None = None  # [B, T] the policy's at sampling time; None: the current policy's, detached
     ref_logps: Tensor | None = None  # [B, T] the reference model's; None when beta = 0
     sampling_logps: Tensor | None = None  # [B, T] the sampler's own (vLLM's importance-sampling correction)
+    # [B, T] the policy's at sampling time (as old_logps, or the current one's) under the distribution the sampler drew
+    # from (`sampling.SamplingReplay`): the correction's weight only. None: that distribution is old_logps' own
+    old_sampling_logps: Tensor | None = None
     num_items_in_batch: Tensor | None = None  # [] completion tokens of its optimizer step, on every process (dapo)
     nonfinite: bool = False  # its rollout's advantages are not finite: skip the optimizer step
 
@@ -111,6 +114,7 @@ _COMPLETION_COLUMNS = {
     "old_logps": 0.0,
     "ref_logps": 0.0,
     "sampling_logps": 0.0,
+    "old_sampling_logps": 0.0,
 }
 
 

@@ -1,7 +1,9 @@
 """Sampling settings shared by the decoding engines: the logits processors `model.generate` applies, in
 its order, the settings an engine must resolve as `generate` does, an exact categorical draw, per-row random
 streams (`RowDraws`): counter-based uniforms, so that what a row samples does not depend on which batch, step or
-thread draws it, and `RecordLogps`, which records the log-probs `model.generate` drew its tokens with.
+thread draws it, `RecordLogps`, which records the log-probs `model.generate` drew its tokens with, and
+`SamplingReplay`, which applies the same processors to the trainer's logits, so that an importance weight compares
+the sampler's log-probs with the trainer's under one distribution.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -23,7 +26,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.core import prompt_runs
+from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
 from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
 # Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
@@ -351,3 +354,90 @@ class RecordLogps(LogitsProcessor):
             )
         last = self.pending.gather(1, completion_ids[:, -1:])  # [N, 1]
         return torch.cat([*self.columns, last], dim=1)  # [N, T]
+
+
+# ---- the sampling distribution, replayed on the trainer's logits ----------------------------------------------------
+def changes_distribution(generation_config, temperature: float = 1.0) -> bool:
+    """Whether the resolved settings draw from another distribution than the softmax of the logits at `temperature`
+    (the trainer's log-probs): a repetition penalty, a truncation (top-k, top-p, min-p) or another temperature."""
+    config = generation_config
+    return (
+        bool(config.top_k)
+        or (config.top_p is not None and config.top_p < 1.0)
+        or bool(config.min_p)
+        or (config.repetition_penalty is not None and config.repetition_penalty != 1.0)
+        or (config.temperature if config.temperature is not None else 1.0) != temperature
+    )
+
+
+@torch.no_grad()
+def replayed_logps(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    mask: torch.Tensor,
+    generation_config,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The log-probs [n, t] float32 of `completion_ids` [n, t] under the distribution the engines draw each token from,
+    from the logits [n, t, V] that predict them: `logits_processors` of `generation_config` (resolved), exactly as
+    `model.generate` applies them at that token's step, then log-softmax. At the positions of `mask` [n, t]; 0 off it.
+
+    A token outside the kept support (top-k, top-p, min-p) gets -inf. The repetition penalty reads each position's
+    context, the row's prompt (`prompt_ids` [n, P], left padding `prompt_mask` excluded) and its completion before the
+    position (tool output included); a context is the row's whole [P + t - 1] tokens with the positions after it
+    filled with its own last token, which is in the context already, so the penalised set is the same. Positions go
+    `chunk_size` at a time (default: `CHUNK_ELEMENTS` logits, or context ids, per chunk), each upcast to float32 as
+    `generate` upcasts its scores: a few chunk-sized temporaries, never a float32 copy of `logits`.
+    """
+    n, t, V = logits.shape
+    logps = torch.zeros((n, t), dtype=torch.float32, device=logits.device)  # [n, t]
+    rows, columns = mask[:, :t].nonzero(as_tuple=True)  # [K] the positions to replay
+    penalised = generation_config.repetition_penalty not in (None, 1.0)
+    context = torch.cat([prompt_ids, completion_ids[:, : max(t - 1, 0)]], dim=1) if penalised else None  # [n, P+t-1]
+    width = V if context is None else max(V, context.size(1))
+    step = chunk_size or max(1, CHUNK_ELEMENTS // width)
+    for start in range(0, rows.numel(), step):
+        r, c = rows[start : start + step], columns[start : start + step]  # [k]
+        tokens = completion_ids[r, c]  # [k]
+        scores = logits[r, c].float()  # [k, V]
+        if context is None:
+            inputs = tokens[:, None]  # [k, 1] read by no processor but the repetition penalty
+        else:
+            last = context[r, prompt_ids.size(1) + c - 1]  # [k] the last token of each position's context
+            positions = torch.arange(context.size(1), device=context.device)  # [P + t - 1]
+            after = positions[None, :] >= (prompt_ids.size(1) + c)[:, None]  # [k, P + t - 1]
+            inputs = torch.where(after, last[:, None], context[r])  # [k, P + t - 1]
+        scores = logits_processors(generation_config, prompt_mask[r])(inputs, scores)  # [k, V]
+        logps[r, c] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return logps
+
+
+@dataclass(frozen=True)
+class SamplingReplay:
+    """The engines' sampling distribution, replayed on the trainer's logits (`replayed_logps`).
+
+    Every engine records the log-probs its tokens were drawn with (after repetition penalty, temperature, top-k,
+    top-p, min-p), which the trainer's temperature-only log-probs over the whole vocabulary are not. A weight
+    pi_prox / pi_behav that compares the two carries log(kept mass) at every token, even with unchanged weights; with
+    the proximal policy's log-probs replayed under the same processors, it measures the policy's drift only.
+    `of` gives None where the two distributions are one (no penalty, no truncation, the same temperature)."""
+
+    generation_config: Any  # the resolved settings the engines sample with (`resolve_sampling_settings`)
+
+    @classmethod
+    def of(cls, model, generation_config, temperature: float) -> SamplingReplay | None:
+        """The replay of what the engines draw from for `model` with `generation_config` (resolved as they resolve
+        it), or None when that is the softmax at the trainer's `temperature`."""
+        resolved = resolve_sampling_settings(model, generation_config)
+        return cls(resolved) if changes_distribution(resolved, temperature) else None
+
+    def __call__(self, batch, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`replayed_logps` [n, t] of the rows `rows` [n] of `batch` (a `batching.Sequences`), from their logits
+        [n, t, V] at the first t completion positions, on their completion mask."""
+        t = logits.size(1)
+        completion_ids = batch.completion_ids[rows, :t]  # [n, t]
+        mask = batch.completion_mask[rows, :t]  # [n, t]
+        prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]  # [n, P]
+        return replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, self.generation_config)
