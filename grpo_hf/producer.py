@@ -534,8 +534,8 @@ class AsyncRollouts:
             on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
             self.snapshot = WeightSnapshot(model, version, on_load, saved)
             self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
-            if saved and version not in saved:  # the policy's own weights, for the batches after the saved ones'
-                self.snapshot.stage(version)
+            if args.max_staleness > 0 and version not in (saved or {}):  # the policy's own weights, staged too: the
+                self.snapshot.stage(version)  # copy loads newer ones while batches admitted at this one are unread
             if accelerator.device.type == "cuda":
                 stream = torch.cuda.Stream()
         sample = lambda rows, state_: experience.sample_round(rows, self.sampler, trainer_state=state_)  # noqa: E731

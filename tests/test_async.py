@@ -160,11 +160,13 @@ def half_flat(prompts, completion_ids, **kwargs):
 DYNAMIC = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=3, max_steps=4)
 
 
-def test_dynamic_sampling_through_the_producer_at_staleness_0_is_the_synchronous_run(tmp_path):
+@pytest.mark.parametrize("per_step", [{}, dict(gradient_accumulation_steps=2, steps_per_generation=1)])
+def test_dynamic_sampling_through_the_producer_at_staleness_0_is_the_synchronous_run(tmp_path, per_step):
     """Refill rounds run on the main thread while the producer waits; at staleness 0 they draw from torch's generator
-    in the synchronous run's order: the same parameters and logs."""
-    synchronous = run(tmp_path, "sync", reward=half_flat, **DYNAMIC)
-    produced = run(tmp_path, "async", trainer_cls=AsyncGRPOTrainer, reward=half_flat, **DYNAMIC)
+    in the synchronous run's order: the same parameters and logs. Also when one optimizer step spans two generation
+    batches: batch k + 1's first round is drawn after batch k's refills, as the synchronous run draws it."""
+    synchronous = run(tmp_path, "sync", reward=half_flat, **DYNAMIC, **per_step)
+    produced = run(tmp_path, "async", trainer_cls=AsyncGRPOTrainer, reward=half_flat, **DYNAMIC, **per_step)
     for (name, a), (_, b) in zip(synchronous.model.named_parameters(), produced.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert comparable(train_logs(produced)) == comparable(train_logs(synchronous))
@@ -254,7 +256,7 @@ def checkpointed(output_dir, staleness: int):
     return trainer
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
 def test_a_resumed_run_repeats_the_unbroken_run_exactly(tmp_path, staleness):
     """Stopped right after checkpoint 2 (what a kill -9 then leaves on disk) and resumed: the same logs and weights
     as the run never stopped, the producer's weights for the batches sampled ahead kept in the checkpoint."""
@@ -283,14 +285,17 @@ class Die(TrainerCallback):
         if state.global_step == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
-trainer = checkpointed({out!r}, 1)
+trainer = checkpointed({out!r}, {staleness})
 trainer.add_callback(Die())
 trainer.train()
 """
 
 
-def test_kill_9_at_staleness_1_then_resume_is_the_unbroken_run(tmp_path):
-    """SIGKILL right after checkpoint 2 while the producer samples ahead; resume=True repeats the unbroken run."""
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
+def test_kill_9_then_resume_is_the_unbroken_run(tmp_path, staleness):
+    """SIGKILL right after checkpoint 2 while the producer samples ahead; resume=True repeats the unbroken run. The
+    checkpoint keeps the weights of every version a batch not yet trained on was admitted at (at 2, batch 2 is
+    sampled by version 0 though the producer may have loaded version 1 for batch 3 already)."""
     import os
     import signal
     import subprocess
@@ -298,13 +303,13 @@ def test_kill_9_at_staleness_1_then_resume_is_the_unbroken_run(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "run"
-    script = KILLED_AT_2.format(tests=str(Path(__file__).parent), out=str(out))
+    script = KILLED_AT_2.format(tests=str(Path(__file__).parent), out=str(out), staleness=staleness)
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-    resumed = checkpointed(out, 1)
+    resumed = checkpointed(out, staleness)
     resumed.train(resume_from_checkpoint=True)
-    unbroken = checkpointed(tmp_path / "unbroken", 1)
+    unbroken = checkpointed(tmp_path / "unbroken", staleness)
     unbroken.train()
     after = lambda trainer: [row for row in comparable(train_logs(trainer)) if row["step"] > 2]  # noqa: E731
     assert after(resumed) == after(unbroken) and len(after(unbroken)) == 2
