@@ -9,10 +9,14 @@ A TRL async script ports by changing its import. The promises:
   a batch may be; docs/async.md), with TRL's default, 4; `lr_scheduler_type` defaults to TRL's `"constant"`;
 - `dtype` (TRL's, `"float32"`) is the dtype a model given as a path or Hub id loads in, unless
   `model_init_kwargs` sets one (TRL's precedence);
+- `vllm_server_base_url`, when set, is where the rollouts are sampled, as in TRL's async trainer (which always samples
+  on the vLLM server at that URL): it turns on `use_vllm=True, vllm_mode="server"`, and a setting that asks for
+  another sampler beside it (`vllm_mode="colocate"`, a non-vLLM `rollout_engine` or its switches) is refused at
+  construction. Unset (grpo_hf's default, None), grpo_hf's own engines sample and no server is needed; TRL's default
+  URL is in `TRL_ASYNC_DEFAULTS`, so `from_trl_defaults` samples on a server at `http://localhost:8000` as TRL does;
 - the fields that mean nothing here (`IGNORED_FIELDS`: TRL's rollout queue, its NCCL weight transfer, its token
   budget, its conversation re-tokenization) are accepted, checked as TRL's values, and named, with why, in one
-  warning when a trainer is built with them set to a value other than TRL's default. `vllm_server_base_url` is named
-  there too when it is set but the rollouts are not sampled on a vLLM server (`use_vllm=True, vllm_mode="server"`).
+  warning when a trainer is built with them set to a value other than TRL's default.
 
 Everything else is `GRPOConfig`'s: every loss type, `beta`, PEFT, processors, tools and environments, DDP and ZeRO.
 """
@@ -54,7 +58,8 @@ IGNORED_FIELDS: dict[str, str] = {
 class AsyncGRPOConfig(GRPOConfig):
     r"""Configuration of [`AsyncGRPOTrainer`]: `GRPOConfig` with TRL 1.16's `AsyncGRPOConfig` fields and defaults.
 
-    Defaults that differ from `GRPOConfig`'s, as TRL's async config: `max_staleness=4`, `lr_scheduler_type="constant"`.
+    Defaults that differ from `GRPOConfig`'s, as TRL's async config: `max_staleness=4`, `lr_scheduler_type="constant"`;
+    and `vllm_mode=None`, resolved at construction: 'server' when `vllm_server_base_url` is set, else 'colocate'.
     Defaults that differ from TRL's `AsyncGRPOConfig`: `TRL_ASYNC_DEFAULTS` (docs/porting.md, "From TRL's
     AsyncGRPOTrainer", says why); `AsyncGRPOConfig.from_trl_defaults(...)` starts from TRL's values instead.
     """
@@ -72,6 +77,14 @@ class AsyncGRPOConfig(GRPOConfig):
     lr_scheduler_type: str = field(
         default="constant",
         metadata={"help": "Learning-rate schedule; 'constant' as TRL's AsyncGRPOConfig (GRPOConfig: 'linear')."},
+    )
+    vllm_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "GRPOConfig's vllm_mode, resolved at construction. None: 'server' when vllm_server_base_url is "
+            "set (TRL's async trainer samples on the vLLM server at that URL; use_vllm=True follows), else "
+            "'colocate'. 'colocate' with vllm_server_base_url set is refused."
+        },
     )
 
     # ---- TRL's async fields that GRPOConfig lacks ----------------------------------------------------------------
@@ -117,8 +130,39 @@ class AsyncGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._resolve_server()
         super().__post_init__()
         self._check_async_fields()
+
+    def _resolve_server(self) -> None:
+        """`vllm_server_base_url` set: sample on that vLLM server (`use_vllm=True, vllm_mode="server"`), as TRL's async
+        trainer does; a setting that names another sampler is refused. Unset: `vllm_mode` None becomes 'colocate'."""
+        url = self.vllm_server_base_url
+        if url is None:
+            self.vllm_mode = "colocate" if self.vllm_mode is None else self.vllm_mode
+            return
+        aliases = {"use_model_generate": "generate", "use_transformers_continuous_batching": "continuous_batching"}
+        aliases["use_transformers_paged"] = "continuous_batching"
+        others = {  # setting: (the sampler it asks for, whether it is set)
+            "vllm_mode='colocate'": ("a vLLM engine in this process", self.vllm_mode == "colocate"),
+            f"rollout_engine={self.rollout_engine!r}": (
+                f"grpo_hf's {self.rollout_engine!r} engine",
+                self.rollout_engine not in ("auto", "vllm"),
+            ),
+            **{f"{flag}=True": (f"grpo_hf's {name!r} engine", getattr(self, flag)) for flag, name in aliases.items()},
+            f"cache_implementation={self.cache_implementation!r}": (
+                "grpo_hf's 'generate' engine",
+                self.cache_implementation is not None,
+            ),
+        }
+        for setting, (sampler, conflicts) in others.items():
+            if conflicts:
+                raise ValueError(
+                    f"vllm_server_base_url={url!r} samples the rollouts on the vLLM server at that URL (as TRL's "
+                    f"AsyncGRPOTrainer, which always samples on a server), but {setting} asks for {sampler}. Remove "
+                    f"vllm_server_base_url to sample with {sampler}, or remove {setting} to sample on the server."
+                )
+        self.use_vllm, self.vllm_mode = True, "server"
 
     def _check_async_fields(self) -> None:
         """TRL's async fields: the values TRL could run with, refused with the fix otherwise (ignored ones too, so a
@@ -142,17 +186,9 @@ class AsyncGRPOConfig(GRPOConfig):
 
     # ---- what differs from TRL, said once ------------------------------------------------------------------------
     def ignored_fields(self) -> dict[str, str]:
-        """`{field: why}` for each TRL async field set to a value other than TRL's default that means nothing here,
-        and `vllm_server_base_url` when set while the rollouts are not sampled on a vLLM server."""
+        """`{field: why}` for each TRL async field set to a value other than TRL's default that means nothing here."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        ignored = {name: reason for name, reason in IGNORED_FIELDS.items() if getattr(self, name) != defaults[name]}
-        if self.vllm_server_base_url is not None and not (self.use_vllm and self.vllm_mode == "server"):
-            ignored["vllm_server_base_url"] = (
-                f"the rollouts are sampled by this process's rollout engine (rollout_engine={self.rollout_engine!r}), "
-                "not on a vLLM server: use_vllm=True with vllm_mode='server' samples on one (the producer sends its "
-                "requests there, docs/async.md)"
-            )
-        return ignored
+        return {name: reason for name, reason in IGNORED_FIELDS.items() if getattr(self, name) != defaults[name]}
 
     def defaults_differing_from_trl(self) -> list[str]:
         """`name=value (TRL: value)` for every field still at grpo_hf's default where TRL's async default differs."""
@@ -203,6 +239,8 @@ TRL_ASYNC_DEFAULTS: dict[str, Any] = {
     "bf16": True,  # TRL: True unless fp16 is set
     "logging_nan_inf_filter": True,  # TrainingArguments' default
     "ignore_data_skip": True,  # TRL async forces it: its rollout queue cannot replay the data
+    # TRL async always samples on the vLLM server at this URL; unset here, grpo_hf's own engines sample (no server)
+    "vllm_server_base_url": "http://localhost:8000",
 }
 
 # TRL 1.16's AsyncGRPOConfig defaults that grpo_hf does not take, because its own default does what TRL's does there.
@@ -210,7 +248,4 @@ TRL_ASYNC_SAME_MEANING: dict[str, Any] = {
     # TRL's rollout worker reads the dataset itself and passes every column to the reward functions, which is what
     # remove_unused_columns=False does here (True here would keep the columns from the reward functions).
     "remove_unused_columns": True,
-    # None reaches vllm_server_host:vllm_server_port, 0.0.0.0:8000: the same server as TRL's default URL, while
-    # leaving vllm_server_host and vllm_server_port in force.
-    "vllm_server_base_url": "http://localhost:8000",
 }

@@ -16,10 +16,12 @@ import pytest
 import torch
 import trl.experimental.async_grpo as trl_async
 from conftest import build_tiny_model, make_trainer, train_logs
+from transformers import HfArgumentParser
 
 import grpo_hf
 from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from grpo_hf.async_config import IGNORED_FIELDS, TRL_ASYNC_DEFAULTS, TRL_ASYNC_SAME_MEANING
+from grpo_hf.async_trainer import refuse_what_the_producer_cannot_run
 from grpo_hf.config import config_reference_markdown
 
 PORTING = Path(__file__).parent.parent / "docs" / "porting.md"
@@ -122,7 +124,6 @@ def test_ignored_fields_are_named_in_one_warning_per_run(tmp_path, caplog):
         queue_maxsize=16,
         heartbeat_stale_after_s=60.0,
         request_timeout=600,  # TRL's default: not named
-        vllm_server_base_url="http://127.0.0.1:8000",
         **CPU,
     )
     with caplog.at_level(logging.WARNING, logger="grpo_hf"):
@@ -131,8 +132,63 @@ def test_ignored_fields_are_named_in_one_warning_per_run(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if "accepted but ignored" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once per run, not per step
     named = re.findall(r"(\w+)=\S+ \(", warnings[0])
-    assert named == ["queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s", "vllm_server_base_url"]
-    assert "use_vllm=True with vllm_mode='server' samples on one" in warnings[0]
+    assert named == ["queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s"]
+
+
+SERVER = "http://10.1.2.3:8123"
+
+
+def sampler(config) -> tuple:
+    return config.use_vllm, config.vllm_mode, config.rollout_engine, config.vllm_server_base_url
+
+
+def test_vllm_server_base_url_samples_on_that_server_as_in_trl():
+    """TRL's async trainer always samples on the vLLM server at vllm_server_base_url: a URL set here does too. No
+    server is reached: the config is resolved, and the producer's check takes it (before any model loads)."""
+    server = (True, "server", "vllm", SERVER)
+    for settings in ({}, {"use_vllm": True}, {"vllm_mode": "server"}, {"rollout_engine": "vllm"}):
+        assert sampler(AsyncGRPOConfig(output_dir="unused", vllm_server_base_url=SERVER, **settings)) == server
+    args = HfArgumentParser(AsyncGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "unused", "--vllm_server_base_url", SERVER]
+    )[0]
+    assert sampler(args) == server  # a recipe's command line too
+    assert refuse_what_the_producer_cannot_run(args, None) is None
+    # no URL: grpo_hf's own engines, no server; GRPOConfig keeps TRL's GRPOConfig meaning (a URL alone changes nothing)
+    assert sampler(AsyncGRPOConfig(output_dir="unused")) == (False, "colocate", "auto", None)
+    assert sampler(GRPOConfig(output_dir="unused", vllm_server_base_url=SERVER)) == (False, "colocate", "auto", SERVER)
+    assert (
+        "vllm_server_base_url=None (TRL: 'http://localhost:8000')"
+        in AsyncGRPOConfig(output_dir="unused").defaults_differing_from_trl()
+    )
+    # TRL's defaults: its default URL, so a server there; None opts out
+    trl = AsyncGRPOConfig.from_trl_defaults(output_dir="unused", bf16=False)
+    assert sampler(trl) == (True, "server", "vllm", "http://localhost:8000")
+    assert not AsyncGRPOConfig.from_trl_defaults(output_dir="unused", bf16=False, vllm_server_base_url=None).use_vllm
+
+
+@pytest.mark.parametrize(
+    ("settings", "named", "sampler_named"),
+    [
+        ({"vllm_mode": "colocate"}, "vllm_mode='colocate'", "a vLLM engine in this process"),
+        ({"use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode='colocate'", "a vLLM engine in this process"),
+        ({"rollout_engine": "generate"}, "rollout_engine='generate'", "grpo_hf's 'generate' engine"),
+        ({"use_model_generate": True}, "use_model_generate=True", "grpo_hf's 'generate' engine"),
+        (
+            {"use_transformers_continuous_batching": True},
+            "use_transformers_continuous_batching=True",
+            "grpo_hf's 'continuous_batching' engine",
+        ),
+        ({"cache_implementation": "static"}, "cache_implementation='static'", "grpo_hf's 'generate' engine"),
+    ],
+)
+def test_a_url_with_another_sampler_is_refused_naming_both(settings, named, sampler_named):
+    with pytest.raises(ValueError) as raised:
+        AsyncGRPOConfig(output_dir="unused", vllm_server_base_url=SERVER, **settings)
+    message = str(raised.value)
+    assert message.startswith(f"vllm_server_base_url={SERVER!r} samples the rollouts on the vLLM server at that URL")
+    assert f"but {named} asks for {sampler_named}." in message
+    assert f"Remove vllm_server_base_url to sample with {sampler_named}, or remove {named}" in message
+    AsyncGRPOConfig(output_dir="unused", **settings)  # each setting alone is fine
 
 
 def test_a_config_at_trls_defaults_warns_of_nothing(tmp_path, caplog):

@@ -4,6 +4,7 @@ import asyncio
 import functools
 import math
 import re
+import signal
 import threading
 import time
 import types
@@ -25,6 +26,7 @@ from grpo_hf.rewards import (
     gsm8k_format_reward,
     is_reward_func_name,
     make_accuracy_reward,
+    needs_main_thread,
     parse_number,
     reward_func_name,
     soft_overlong_punishment,
@@ -585,6 +587,80 @@ def test_timeout_sync():
         assert compute_rewards([constant_reward], PROMPTS, COMPLETIONS, timeout=5)[0] == [[0.5]] * 3
     finally:
         release.set()
+
+
+def signal_timed_reward(completions, **kwargs):
+    """A reward bounded with signal.alarm, as math-verify bounds parse and verify by default."""
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.alarm(5)
+    try:
+        return [float(len(c)) for c in completions]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def in_thread(fn, name="grpo_hf-scorer"):
+    """fn() in a thread named as asynchronous GRPO's scorer; its result, or the exception it raised."""
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(value=_outcome(fn)), name=name)
+    thread.start()
+    thread.join()
+    return box["value"]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
+
+
+def test_needs_main_thread_recognises_a_signal_call_off_the_main_thread():
+    call = lambda: compute_rewards([signal_timed_reward], ["q", "q"], ["ab", "abc"])  # noqa: E731
+    assert call() == ([[2.0], [3.0]], {"signal_timed_reward": 0})  # on the main thread: fine
+    raw = in_thread(lambda: signal_timed_reward(["ab"]))
+    assert isinstance(raw, ValueError) and "signal only works in main thread" in str(raw)
+    assert needs_main_thread(raw)
+    raised = in_thread(call)  # error_policy="raise": a RuntimeError from it, naming the function and the fix
+    assert isinstance(raised, RuntimeError) and needs_main_thread(raised)
+    assert "'signal_timed_reward'" in str(raised) and "works only in the main thread" in str(raised)
+    assert "in the thread 'grpo_hf-scorer'" in str(raised) and "parsing_timeout=None" in str(raised)
+    with pytest.raises(RuntimeError, match="works only in the main thread") as timed:  # reward_timeout's own thread
+        compute_rewards([signal_timed_reward], ["q"], ["ab"], timeout=5)
+    assert needs_main_thread(timed.value)
+    assert call() == ([[2.0], [3.0]], {"signal_timed_reward": 0})  # what a caller does then: call it here
+
+
+def test_needs_main_thread_is_that_failure_only():
+    assert not needs_main_thread(ValueError("math domain error"))
+    assert not needs_main_thread(RuntimeError("signal only works in main thread"))  # CPython raises a ValueError
+    assert not needs_main_thread(KeyError("answer"))
+    try:
+        try:
+            raise ValueError("signal only works in main thread of the main interpreter")
+        except ValueError:
+            raise TypeError("while handling it") from None  # the cause suppressed: __context__ still holds it
+    except TypeError as e:
+        assert needs_main_thread(e)
+    a, b = ValueError("a"), ValueError("b")
+    a.__context__, b.__context__ = b, a  # a cycle ends the walk
+    assert not needs_main_thread(a)
+    other = RuntimeError("Reward function 'f' raised ValueError: bad")
+    other.__cause__ = ValueError("bad")
+    assert not needs_main_thread(other)
+    plain = in_thread(lambda: compute_rewards([accuracy_reward], ["q"], ["#### 3"], columns={"answer": ["3"]}))
+    assert plain == ([[1.0]], {"accuracy_reward": 0})  # grpo_hf's own rewards need no main thread
+
+
+def test_math_verify_parse_and_verify_off_the_main_thread_are_recognised():
+    math_verify = pytest.importorskip("math_verify")
+    gold = math_verify.parse("$\\frac{1}{2}$", parsing_timeout=None)
+    answer = math_verify.parse("\\boxed{0.5}", parsing_timeout=None)
+    for call in (lambda: math_verify.parse("\\boxed{0.5}"), lambda: math_verify.verify(gold, answer)):
+        error = in_thread(call)  # math-verify's own ValueError, raised from CPython's
+        assert isinstance(error, ValueError) and "signal.alarm" in str(error) and needs_main_thread(error)
+    assert in_thread(lambda: math_verify.verify(gold, answer, timeout_seconds=None)) is True  # timeouts off: fine
 
 
 def test_timeout_async():

@@ -30,7 +30,7 @@ Importing `grpo_hf.rewards` loads only the standard library: no torch, no transf
 """
 
 from grpo_hf.rewards.answers import answers_match, completion_text, extract_answer, extract_gold, parse_number
-from grpo_hf.rewards.calling import compute_rewards
+from grpo_hf.rewards.calling import compute_rewards, needs_main_thread
 from grpo_hf.rewards.code import CodeReward, extract_code, make_code_pass_rate_reward, make_code_reward
 from grpo_hf.rewards.functions import (
     REWARD_FACTORIES,
@@ -83,6 +83,7 @@ __all__ = [
     "is_reward_func_name",
     "make_accuracy_reward",
     "names_a_reward_model",
+    "needs_main_thread",
     "make_code_pass_rate_reward",
     "make_code_reward",
     "make_math_accuracy_reward",

@@ -9,6 +9,12 @@ raised (`error_policy="raise"`) or scored None and counted (`"skip"`).
 With a `RewardLogs`, functions that accept them also get TRL's `log_extra(column, values)` (one value per completion
 of the call, a column of the completions table) and `log_metric(name, value)` (a scalar, averaged into the metric
 `name`). What a call logs is kept only if the call succeeds; the per-sample retries log their own sample's row.
+
+A reward function that calls `signal.signal` (math-verify's `parse` and `verify` do, for their default timeouts,
+through `signal.alarm`) works only on the main thread, and raises `ValueError: signal only works in main thread` when
+it runs in another: asynchronous GRPO's scorer thread, or the worker thread of a `timeout`. `needs_main_thread(error)`
+recognises that failure (in the error or the errors it was raised from, as `compute_rewards` raises it), so a caller
+can run that function again on the main thread.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from grpo_hf.rewards.functions import reward_func_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REWARD_ARGUMENTS", "RewardLogs", "compute_rewards"]
+__all__ = ["REWARD_ARGUMENTS", "RewardLogs", "compute_rewards", "needs_main_thread"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Calling reward functions: validation, async, timeouts, error policy
@@ -45,6 +51,23 @@ _ERROR_POLICIES = ("raise", "skip")
 
 class _RewardTimeout(Exception):
     pass
+
+
+_MAIN_THREAD_ONLY = "signal only works in main thread"  # CPython's ValueError (then "of the main interpreter")
+
+
+def needs_main_thread(error: BaseException) -> bool:
+    """Whether `error` is a reward function's call of `signal.signal` off the main thread: CPython's `ValueError`
+    whose message says "signal only works in main thread", or an error raised from or while handling one (math-verify
+    raises its own `ValueError` from it; `compute_rewards` under `error_policy="raise"` a `RuntimeError`). Such a
+    function fails for the thread it ran in, not for its input: run it again on the main thread."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ValueError) and _MAIN_THREAD_ONLY in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 STILL_RUNNING_AFTER = 60.0  # seconds: with reward_timeout=None, a call still running then (and every as long after)
@@ -309,6 +332,16 @@ def _failure_message(name: str, error: BaseException, where: str, timeout: float
         return (
             f"Reward function {name!r} did not return within {timeout} s (config field `reward_timeout`) {where}. "
             "Make it faster, raise `reward_timeout`, or set `reward_error_policy='skip'` to score such calls None."
+        )
+    if needs_main_thread(error):
+        return (
+            f"Reward function {name!r} raised {type(error).__name__}: {error} {where}. It uses signal.signal (e.g. "
+            "math-verify's parse and verify with their default timeouts), which works only in the main thread, and "
+            f"it was called in the thread {threading.current_thread().name!r} (asynchronous GRPO's scorer, or the "
+            "worker thread of `reward_timeout`). Turn its signal timeouts off (math-verify: parse(..., "
+            "parsing_timeout=None), verify(..., timeout_seconds=None)), use grpo_hf's 'math_accuracy' (math-verify in "
+            "a worker process with its own timeout), or run it on the main thread (max_staleness=0 with GRPOTrainer, "
+            "reward_timeout=None)."
         )
     return (
         f"Reward function {name!r} raised {type(error).__name__}: {error} {where}. "

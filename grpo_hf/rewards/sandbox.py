@@ -73,7 +73,8 @@ class SandboxLimits:
     """Per-execution limits. An execution that exceeds one is stopped; tests it had not reported count as failed."""
 
     cpu_seconds: float = 5.0
-    """CPU time of each process (RLIMIT_CPU, rounded up to whole seconds): SIGXCPU, then SIGKILL a second later."""
+    """CPU time of each process (RLIMIT_CPU, rounded up to whole seconds): SIGXCPU, then SIGKILL a second later. The
+    runner, PID 1 of its namespace, ignores SIGXCPU, so the code's own process is killed one second past the limit."""
     wall_seconds: float = 10.0
     """Wall-clock time of the whole execution, interpreter start-up included; then every process is killed."""
     memory_mb: int = 1024
@@ -108,6 +109,9 @@ class ExecutionResult:
     wall_seconds: float
     output: str
     """The start of the execution's stdout and stderr (at most 4 KiB), for debugging."""
+    cpu_seconds: float | None = None
+    """CPU time (user + system) the execution's processes used: the runner's and that of the processes reaped in its
+    PID namespace (all of them once it ends). None when it was killed at `wall_seconds` (nobody was left to count)."""
 
     @property
     def all_passed(self) -> bool:
@@ -285,13 +289,9 @@ class Sandbox:
         if report.startswith(b"error"):
             raise SandboxError(f"sandbox setup failed: {report[6:].decode('utf-8', 'replace').strip()}")
         passed = _parse_verdicts(verdicts, token, len(tests))
-        exit_code = None
-        if report.startswith(b"exit "):
-            exit_code = int(report[5:])
-        elif report.startswith(b"signal "):
-            exit_code = -int(report[7:])
+        exit_code, cpu = _parse_report(report)
         status = "timeout" if timed_out else ("exited" if exit_code is not None and exit_code >= 0 else "killed")
-        return ExecutionResult(passed, status, exit_code, time.monotonic() - start, text)
+        return ExecutionResult(passed, status, exit_code, time.monotonic() - start, text, cpu)
 
     @staticmethod
     def _collect(proc: subprocess.Popen, result_r: int, deadline: float) -> tuple[bytes, bool]:
@@ -343,6 +343,16 @@ def _read_all(fd: int) -> bytes:
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+def _parse_report(report: bytes) -> tuple[int | None, float | None]:
+    """The bootstrap's `exit <code> <cpu>` or `signal <n> <cpu>`: the exit code (-n for a signal) and the CPU seconds;
+    (None, None) when it reported nothing (it was killed)."""
+    parts = report.split()
+    if len(parts) != 3 or parts[0] not in (b"exit", b"signal"):
+        return None, None
+    code = int(parts[1])
+    return (code if parts[0] == b"exit" else -code), float(parts[2])
 
 
 def _parse_verdicts(data: bytes, token: str, n: int) -> list[bool]:

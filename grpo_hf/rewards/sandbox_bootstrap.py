@@ -15,7 +15,8 @@ the standard library. In order:
    (as root), sets nice +10, `no_new_privs` and a parent-death signal, and only then execs the runner
    (`sandbox_runner.py`, its source sent in CONFIG) with the fixed environment of CONFIG.
 4. It waits for the runner (killing it at `alarm_seconds`, should the parent not) and reports on its status pipe:
-   `error <message>` when a setup step failed, else `exit <code>` or `signal <n>`.
+   `error <message>` when a setup step failed, else `exit <code> <cpu>` or `signal <n> <cpu>`, where `<cpu>` is the
+   CPU seconds (user + system) of the runner and of the processes reaped in its PID namespace.
 """
 
 from __future__ import annotations
@@ -286,16 +287,17 @@ def main(cfg: dict) -> int:
         if not chunk:
             break
         report += chunk
-    _, status = os.waitpid(pid, 0)
+    _, status, usage = os.wait4(pid, 0)
     if state["orphan"]:
         remove_workdir(workdir)
         return 0
+    cpu = usage.ru_utime + usage.ru_stime  # the runner's, and that of every process it or its namespace's end reaped
     if report != b"ok":
         os.write(status_fd, b"error " + report[2:] if report.startswith(b"ok") else b"error " + report)
     elif os.WIFSIGNALED(status):
-        os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
+        os.write(status_fd, f"signal {os.WTERMSIG(status)} {cpu:.3f}".encode())
     else:
-        os.write(status_fd, f"exit {os.WEXITSTATUS(status)}".encode())
+        os.write(status_fd, f"exit {os.WEXITSTATUS(status)} {cpu:.3f}".encode())
     return 0
 
 
