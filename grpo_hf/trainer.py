@@ -327,7 +327,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
-                router_aux = objective.router_aux(kwargs)  # MoE: the padded forward's load-balancing loss goes here
+                router_aux = objective.router_aux(kwargs)  # MoE: the forward's load-balancing loss goes here
                 logps, entropy = completion_logps(model, batch, share_prefix=share_prefix, with_entropy=True, **kwargs)
                 policy_mask = objective.policy_mask(entropy, batch.completion_mask)  # [B, T] or None: all
                 loss, metrics = objective(
