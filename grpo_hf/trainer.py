@@ -176,7 +176,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
             alpha = args.ref_model_mixup_alpha
             self.reference_sync = SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha)
             self.add_callback(self.reference_sync)
-        describe = lambda: self.logps.describe(self.model_wrapped)  # noqa: E731
+        describe = lambda: f"{self.experience.sampler.describe()} | {self.logps.describe(self.model_wrapped)}"  # noqa: E731
         for callback in (
             SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
             StopTogether(self.stop_request, self.accelerator),
