@@ -8,8 +8,8 @@ Each is given the objects it acts on when it is built, never the trainer:
 - `RefreshRolloutWeights`: tells the rollout engine that the policy's weights changed (and at the start of
   training, for a resumed run's); at the end of training, releases what the engine holds (vLLM's engine and its
   memory), so that a second trainer in the process starts from the memory the first one started from.
-- `AnnounceStart`: at the start of training, logs the log-prob path and aligns the precision guard's step count
-  (a resumed run measures at the same steps as an unbroken one).
+- `AnnounceStart`: at the start of training, logs the rollout engine and the log-prob path (one line) and aligns the
+  precision guard's step count (a resumed run measures at the same steps as an unbroken one).
 - `SyncReference`: TR-DPO's reference update (`sync_ref_model`).
 """
 
@@ -70,7 +70,8 @@ class RefreshRolloutWeights(TrainerCallback):
 
 
 class AnnounceStart(TrainerCallback):
-    """At the start of training: log `describe()` (the log-prob path), and give the precision guard, if there is one
+    """At the start of training: log `describe()` (one line: the rollout engine and the log-prob path, each with why
+    a faster one was not taken), and give the precision guard, if there is one
     by then (`guard()`), the step count training starts from."""
 
     def __init__(self, describe: Callable[[], str], guard: Callable[[], object]):

@@ -115,8 +115,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "help": "Mixture-of-Experts models (a config with `output_router_logits`): the training loss adds this "
             "coefficient x the model's load-balancing loss (its `aux_loss`, over the prompt + completion tokens of "
             "the micro-batch), logged as `aux_loss`. None: the model config's `router_aux_loss_coef` (0 if none); "
-            "0.0: off. A non-zero value with a model that is not MoE is an error. While on, log-probs take the padded "
-            "path (the shared-prefix forward would count each prompt's routing once instead of G times)."
+            "0.0: off. A non-zero value with a model that is not MoE is an error. While on, the shared-prefix forward "
+            "counts each prompt token's routing once per row, as the padded forward does, and backpropagates once "
+            "over the micro-batch (the expert counts span every group), not a group at a time."
         },
     )
     cast_lm_head_to_fp32: bool = field(
@@ -366,14 +367,14 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         default=None,
         metadata={
             "help": "In the log-prob forwards (policy, old and reference), run each distinct prompt once and let the "
-            "completions of its group attend to its cached keys/values, in at most two length buckets, each cut to "
-            "its longest completion: no compute on repeated prompts and little on padding. Exact (same maths, float "
-            "rounding aside). Used for decoder-only models on one process or under DDP (whose forward it bypasses; "
-            "the trainer then averages gradients itself) that are not gradient-checkpointed; FSDP, DeepSpeed and "
-            "checkpointed models run one forward over the padded prompt + completion rows, as with False. None: "
-            "chosen per micro-batch by device: on CUDA, where the padded micro-batch's forward and backward fit in "
-            "0.7 of the memory available, the padded forward (fewer kernel launches); else the shared prefix. The "
-            "log says which and why."
+            "completions of its group attend to its cache (keys/values, conv and recurrent states), in at most two "
+            "length buckets, each cut to its longest completion: no compute on repeated prompts and little on "
+            "padding. Exact (same maths, float rounding aside). Used for decoder-only models on one process or under "
+            "DDP (whose forward it bypasses; the trainer then averages gradients itself) that are not "
+            "gradient-checkpointed; FSDP, DeepSpeed and checkpointed models run one forward over the padded prompt + "
+            "completion rows, as with False. None: chosen per micro-batch by device: on CUDA, where the padded "
+            "micro-batch's forward and backward fit in 0.7 of the memory available, the padded forward (fewer kernel "
+            "launches); else the shared prefix. The log says which and why."
         },
     )
     backward_per_group: bool | None = field(

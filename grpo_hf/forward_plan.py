@@ -118,9 +118,19 @@ class Planner:
     """The `ForwardPlan` of each micro-batch: the fields the user set, and for those left to None (auto) the choice
     by device and memory described above. Logs a training plan when it changes."""
 
-    def __init__(self, accelerator, share_prompt_prefix, backward_per_group, chunk_size, temperature: float = 1.0):
+    def __init__(
+        self,
+        accelerator,
+        share_prompt_prefix,
+        backward_per_group,
+        chunk_size,
+        temperature: float = 1.0,
+        one_backward: str | None = None,
+    ):
+        """`one_backward`: why the shared prefix must backpropagate once, not a group at a time (None: it may)."""
         self.accelerator, self.chunk_size, self.temperature = accelerator, chunk_size, temperature
         self.share_prompt_prefix, self.backward_per_group = share_prompt_prefix, backward_per_group
+        self.one_backward = one_backward
         self.per_token: float | None = None  # measured at the first auto choice with a gradient on CUDA
         self.last: tuple | None = None  # the last training plan logged, without its reason
 
@@ -137,9 +147,10 @@ class Planner:
         if cuda and (self.auto or self.chunk_size is None):
             chosen = "log-softmax chunks sized to the free memory"
             if blocker is None and self.auto:
+                backward = f"one backward ({self.one_backward})" if self.one_backward else "one group at a time"
                 chosen = (
                     f"one padded forward and one backward where they fit in {FIT_SHARE:.0%} of the memory available, "
-                    f"else the shared prompt prefix, one group at a time; {chosen}"
+                    f"else the shared prompt prefix, {backward}; {chosen}"
                 )
             return f"log-prob path: chosen per micro-batch on cuda: {chosen}" + (f" ({blocker})" if blocker else "")
         return self._fixed(fits=False, why=self._reason_off_cuda()).describe()
@@ -174,12 +185,17 @@ class Planner:
         if self.backward_per_group is True and self.share_prompt_prefix is None:
             share = True  # a backward one group at a time needs the shared prefix
         per_group = share and ((not fits) if self.backward_per_group is None else self.backward_per_group)
+        if per_group and self.one_backward is not None:
+            per_group, why = False, f"{why}; one backward: {self.one_backward}"
         return ForwardPlan(share, per_group, self.chunk_size, why)
 
     def _reason_off_cuda(self) -> str:
         if not self.auto:
             return "as configured"
-        return f"auto on {self.accelerator.device.type}: the fewest FLOPs, one group's activations at a time"
+        device = self.accelerator.device.type
+        if self.one_backward is not None:
+            return f"auto on {device}: the fewest FLOPs"
+        return f"auto on {device}: the fewest FLOPs, one group's activations at a time"
 
     def _needed(self, model: nn.Module, batch, vocab: int, chunk: int, grad: bool) -> int:
         """Bytes the padded micro-batch's forward (and backward, with `grad`) needs: activations, logits, chunks and

@@ -21,14 +21,15 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from grpo_hf.cache_layers import cache_keyword, repeat_cache, unrepeatable_layers
 from grpo_hf.core import entropy_from_logits, entropy_with_grad, prompt_runs, selective_log_softmax
 from grpo_hf.forward_plan import ForwardPlan, Planner
 from grpo_hf.peft_utils import base_model, is_peft_model
@@ -59,44 +60,62 @@ _LOGIT_TRANSFORMS = (
 )
 
 
-def supports_shared_prefix(model: nn.Module) -> bool:
-    """A decoder-only LM whose logits are `lm_head(decoder(...))` and whose KV cache is plain full attention; or an
-    image-text-to-text model whose language model is one (its prompts then go through the multimodal model)."""
+def shared_prefix_unsupported(model: nn.Module) -> str | None:
+    """Why `shared_prefix_logits` does not apply to `model`'s architecture, or None: it needs a decoder-only LM with
+    an LM head, whose cache layers `cache_layers.repeat_cache` can repeat to a group's rows (full attention, sliding
+    windows, linear attention, convolution and Mamba states); or an image-text-to-text model whose language model is
+    one and whose logits are `lm_head(decoder(...))` (its prompts go through the multimodal model, its completions
+    through the language model and the LM head)."""
     if is_peft_model(model):
         if model.active_peft_config.is_prompt_learning:  # virtual tokens are added by PeftModel.forward
-            return False
+            return "a PEFT prompt-learning adapter adds virtual tokens in PeftModel.forward"
         model = model.get_base_model()
+    name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None or config.is_encoder_decoder:
-        return False
+        return f"{name} is not a decoder-only model"
     text_config = config.get_text_config()
-    if text_config is not config and not is_vision_model(model):
-        return False
+    vision = is_vision_model(model)
+    if text_config is not config and not vision:
+        return f"{name} has a sub-model config that is not a vision-language model's"
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
-        return False
-    if any(getattr(c, name, None) is not None for c in (config, text_config) for name in _LOGIT_TRANSFORMS):
-        return False
-    try:
-        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=text_config).layers)
-    except Exception:  # a config the cache classes do not understand
-        return False
+        return f"{name} has no decoder and LM head to call"
+    if vision and any(getattr(c, a, None) is not None for c in (config, text_config) for a in _LOGIT_TRANSFORMS):
+        return f"{name}'s forward transforms the LM head's output, which the vision-language forward does not apply"
+    layers = unrepeatable_layers(config)
+    if layers is not None:
+        return f"{name}'s cache has layers the shared prefix cannot repeat to a group's rows: {layers}"
+    return None
+
+
+def supports_shared_prefix(model: nn.Module) -> bool:
+    """Whether the shared-prefix forward applies to `model`'s architecture (`shared_prefix_unsupported`)."""
+    return shared_prefix_unsupported(model) is None
+
+
+def router_aux_unsupported(model: nn.Module) -> str | None:
+    """Why the shared-prefix forward cannot give `model`'s MoE load-balancing loss, or None (`RouterTally`): it needs
+    the model's own loss function (`load_balancing_loss_func` in its modeling module) and its expert counts, and a
+    text-only model (the vision-language forward does not collect router logits)."""
+    base = base_model(model)
+    if is_vision_model(base):
+        return "the vision-language shared-prefix forward does not collect the router logits"
+    if _router_loss_function(base) is None or not hasattr(base, "num_experts_per_tok"):
+        return f"{type(base).__name__} has no `load_balancing_loss_func` and `num_experts_per_tok` to reuse"
+    return None
 
 
 def shared_prefix_blocker(
     model: nn.Module, module: nn.Module, *, share_prompt_prefix: bool, router_aux_loss_coef: float, sharded: bool
 ) -> str | None:
     """Why `shared_prefix_logps` does not apply to `model` (as the trainer holds it; `module`: unwrapped), or None
-    when it does: the option is on, no MoE load-balancing loss is asked for, the weights are not managed by FSDP or
-    DeepSpeed (`sharded`), the model is the bare module or wrapped by DDP only (whose forward the fast path
-    bypasses: the trainer then averages the gradients itself), it is not gradient-checkpointed (checkpointed layers
-    drop the KV cache) and its architecture qualifies (`supports_shared_prefix`)."""
+    when it does: the option is on, the weights are not managed by FSDP or DeepSpeed (`sharded`), the model is the
+    bare module or wrapped by DDP only (whose forward the fast path bypasses: the trainer then averages the gradients
+    itself), it is not gradient-checkpointed (checkpointed layers drop the cache), its architecture qualifies
+    (`shared_prefix_unsupported`) and, with the MoE load-balancing loss on, the loss can be counted as the padded
+    forward counts it (`router_aux_unsupported`)."""
     if not share_prompt_prefix:
         return "share_prompt_prefix=False"
-    if router_aux_loss_coef != 0.0:
-        return (
-            f"router_aux_loss_coef={router_aux_loss_coef}: the MoE load-balancing loss needs the router "
-            "logits of every row's prompt, which the shared-prefix forward computes once per group"
-        )
     if sharded:
         return (
             "FSDP and DeepSpeed ZeRO-3 shard the weights, which only the wrapper's own forward gathers; under "
@@ -105,10 +124,12 @@ def shared_prefix_blocker(
     if module is not model and not isinstance(model, nn.parallel.DistributedDataParallel):
         return f"the model is wrapped by {type(model).__name__}"
     if module.training and any(getattr(layer, "gradient_checkpointing", False) for layer in module.modules()):
-        return "gradient checkpointing drops the prompt's cached keys/values"
-    if not supports_shared_prefix(module):
-        return f"{type(module).__name__} is not a decoder-only model the shared-prefix forward supports"
-    return None
+        return "gradient checkpointing drops the prompt's cache"
+    reason = shared_prefix_unsupported(module)
+    if reason is None and router_aux_loss_coef != 0.0:
+        reason = router_aux_unsupported(module)
+        reason = None if reason is None else f"router_aux_loss_coef={router_aux_loss_coef}: {reason}"
+    return reason
 
 
 def images_in_completions(model: nn.Module, batch: Batch) -> bool:
@@ -143,62 +164,150 @@ def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch
     return [order[:best_split], order[best_split:]]
 
 
-def shared_prefix_logits(model: nn.Module, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def shared_prefix_logits(
+    model: nn.Module, batch: Batch, router: RouterTally | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
 
-    For each run of identical prompt rows (a group, `prompt_runs`), the prompt's p real tokens (no
-    padding) go through the decoder as one row. Its rows are split by completion length
-    (`length_buckets`); each bucket's completions, cut to the bucket's longest (t tokens), go through
-    the decoder on top of the prompt's KV cache, repeated to the bucket's n rows, at positions p, p + 1,
-    ... The hidden states predicting completion token k are the prompt's last one (k = 0) and
-    completion token k - 1's; the LM head maps them to logits. These are the numbers of the padded full
-    forward (same positions, causal attention over the prompt and earlier completion tokens; the padding
-    after EOS is never attended to by a real token), float rounding aside. Gradients reach the prompt's
-    forward through the cache and its last hidden state. The prompt runs once per group, so with
-    dropout on, the group shares its dropout mask.
+    For each run of identical prompt rows (a group, `prompt_runs`), the prompt's real tokens (no padding) but the
+    last go through the decoder as one row, into the model's own cache. Its rows are split by completion length
+    (`length_buckets`); each bucket's n rows run the prompt's last token and their completions, cut to the bucket's
+    longest (t tokens), through the model's forward (its LM head and whatever it does to the logits) on the prompt's
+    cache repeated to n rows (`cache_layers.repeat_cache`: keys and values, sliding windows, conv and recurrent
+    states), at positions p - 1, p, ... The logits at the prompt's last token and completion tokens 0 .. t - 2 predict
+    completion tokens 0 .. t - 1. These are the numbers of the padded full forward (same positions, causal attention
+    over the prompt and earlier completion tokens, the same windows; the padding after EOS is never attended to by a
+    real token), float rounding aside. Gradients reach the prompt's forward through the cache. The prompt runs once
+    per group, so with dropout on, the group shares its dropout mask. A bucket's forward has at least 2 tokens (one
+    token would take the decode kernels that update linear-attention states in place), and with `router` (the MoE
+    load-balancing loss) every real token, the last completion token included: each forward's router logits go to
+    `router` with the number of rows each token stands for.
+
+    A vision-language model takes `_vision_prefix_logits`.
     """
     base = base_model(model)  # PEFT layers live inside the base model
-    decoder, lm_head = base.get_decoder(), base.get_output_embeddings()
+    if is_vision_model(base):
+        yield from _vision_prefix_logits(base, batch)
+        return
+    decoder, keyword = base.get_decoder(), cache_keyword(base)
+    prompt_ids, prompt_mask, completion_ids = batch.prompt_ids, batch.prompt_mask, batch.completion_ids
+    P = prompt_ids.size(1)
+    lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs (tool output included)
+    routed = {"output_router_logits": True} if router is not None else {}
+    for start, stop in prompt_runs(prompt_ids, prompt_mask):
+        p = int(prompt_mask[start].sum())
+        cache = DynamicCache(config=base.config)
+        if p > 1:
+            head = decoder(input_ids=prompt_ids[start : start + 1, P - p : P - 1], use_cache=True, **routed)
+            cache = _cache_of(head)
+            if router is not None:  # the prompt's tokens count once per row of the group
+                router.add(head.router_logits, prompt_mask.new_full((1, p - 1), stop - start))
+        for bucket in length_buckets(lengths[start:stop]):
+            rows = bucket + start  # [n] rows of the batch
+            n, t = rows.numel(), int(lengths[rows].max())
+            width = t + 1 if router is not None else max(t, 2)
+            last = prompt_ids[start : start + 1, P - 1 :].expand(n, 1)  # [n, 1]
+            input_ids = torch.cat([last, completion_ids[rows, : width - 1]], dim=1)  # [n, width]
+            positions = torch.arange(p - 1, p - 1 + width, device=prompt_ids.device).expand(n, -1)  # [n, width]
+            output = base(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=0 if width == t else torch.arange(t, device=prompt_ids.device),
+                **{keyword: repeat_cache(cache, n)},
+                **routed,
+            )
+            if router is not None:  # the prompt's last token, then the completion's real tokens
+                weights = torch.cat([lengths.new_ones(n, 1), batch.attention_mask[rows, : width - 1]], dim=1)
+                router.add(output.router_logits, weights)  # [n, width]
+            yield rows, output.logits  # [n, t, V]
+
+
+def _vision_prefix_logits(base: nn.Module, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`shared_prefix_logits` for a vision-language model: each prompt (with its images, `_prompt_forward`) runs whole
+    through the multimodal model; its completions, cut to t - 1 tokens, through the language model on its cache
+    repeated to the bucket's n rows; the LM head maps the prompt's last hidden state and theirs to logits."""
+    decoder, lm_head, keyword = base.get_decoder(), base.get_output_embeddings(), cache_keyword(base)
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
     completion_ids = batch.completion_ids
     P = prompt_ids.size(1)
-    lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs (tool output included)
+    lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B]
     for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
         image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
         prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
-        prompt_kv = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]  # [1, heads, p, d]
         last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
         for bucket in length_buckets(lengths[start:stop]):
             rows = bucket + start  # [n] rows of the batch
             n, t = rows.numel(), int(lengths[rows].max())
             hidden = last_hidden.expand(n, 1, -1)  # [n, 1, H]
             if t > 1:
-                cache = DynamicCache(config=base.config)
-                for layer, (keys, values) in enumerate(prompt_kv):
-                    cache.update(keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1), layer)
+                cache = repeat_cache(prompt.cache, n)
                 positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1) + offset  # [n, t - 1]
                 completion = decoder(
-                    input_ids=completion_ids[rows, : t - 1], position_ids=positions, past_key_values=cache
+                    input_ids=completion_ids[rows, : t - 1], position_ids=positions, **{keyword: cache}
                 ).last_hidden_state  # [n, t - 1, H]
                 hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
             yield rows, lm_head(hidden)  # [n, t, V]
 
 
 def _prompt_forward(base: nn.Module, decoder: nn.Module, prompt_ids: torch.Tensor, image_row):
-    """One prompt [1, p] through the decoder, with its KV cache; a prompt with images through the multimodal model
+    """One prompt [1, p] through the decoder, with its cache; a prompt with images through the multimodal model
     (its images, or their cached features, in place of its image tokens). Returns the output (`last_hidden_state`,
-    `past_key_values`) and how far the positions after the prompt are from p: Qwen2-VL's M-RoPE gives an image fewer
-    positions than tokens (0 for other models and text prompts)."""
+    and its cache as `cache`) and how far the positions after the prompt are from p: Qwen2-VL's M-RoPE gives an image
+    fewer positions than tokens (0 for other models and text prompts)."""
     if image_row is None:
-        return decoder(input_ids=prompt_ids, use_cache=True), 0
-    output = multimodal_model(base)(
-        input_ids=prompt_ids, use_cache=True, **forward_kwargs(base, prompt_ids, [image_row])
-    )
-    if getattr(output, "past_key_values", None) is None:
-        output.past_key_values = output.cache
-    offsets = position_offsets(base)  # [1, 1] or None
-    return output, (0 if offsets is None else offsets.to(prompt_ids.device))
+        output, offset = decoder(input_ids=prompt_ids, use_cache=True), 0
+    else:
+        output = multimodal_model(base)(
+            input_ids=prompt_ids, use_cache=True, **forward_kwargs(base, prompt_ids, [image_row])
+        )
+        offsets = position_offsets(base)  # [1, 1] or None
+        offset = 0 if offsets is None else offsets.to(prompt_ids.device)
+    output.cache = _cache_of(output)
+    return output, offset
+
+
+def _cache_of(output):
+    """The cache a forward returned: `cache` from transformers 5.24 on, `past_key_values` before."""
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
+
+
+class RouterTally:
+    """The MoE router logits of a micro-batch's shared-prefix forwards, and how many rows each token stands for, to
+    compute the load-balancing loss the padded forward computes (`loss`).
+
+    The model's own `load_balancing_loss_func` (Switch Transformer's, as Mixtral, Qwen3-MoE, GPT-OSS and the rest
+    copy it) averages, over every layer and real token, the top-k assignments per expert and the router's
+    probabilities per expert, weighting each token by the attention mask; it returns num_experts x the sum of their
+    products. Handed the concatenated logits of the shared forwards and, as the mask, each token's count (a prompt
+    token: its group's rows, a completion token: 1, padding: 0), it computes the same means over the same tokens as
+    over the padded micro-batch. The counts of assignments carry no gradient; the probabilities' do, through every
+    group, so this loss is differentiated by one backward over the micro-batch (`LogprobPath.plan`)."""
+
+    def __init__(self):
+        self.layers: list[list[torch.Tensor]] = []  # per layer: the forwards' router logits [tokens, E]
+        self.counts: list[torch.Tensor] = []  # per forward: [tokens], the rows each token stands for
+
+    def add(self, router_logits: tuple[torch.Tensor, ...], counts: torch.Tensor) -> None:
+        """A forward's router logits (per layer [b * s, E]) and its tokens' counts [b, s]."""
+        if not self.layers:
+            self.layers = [[] for _ in router_logits]
+        for parts, logits in zip(self.layers, router_logits, strict=True):
+            parts.append(logits)
+        self.counts.append(counts.reshape(-1))
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        base = base_model(model)
+        gate_logits = tuple(torch.cat(parts) for parts in self.layers)  # per layer [tokens, E]
+        counts = torch.cat(self.counts)[None]  # [1, tokens]
+        return _router_loss_function(base)(gate_logits, base.num_experts, base.num_experts_per_tok, counts)
+
+
+def _router_loss_function(base: nn.Module) -> Callable | None:
+    """The load-balancing loss function of `base`'s modeling module (transformers' MoE models each define one)."""
+    return getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
 
 
 def padded_logps(
@@ -263,13 +372,16 @@ def shared_prefix_logps(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    router_aux: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
-    bucket get 0. Needs the bare model (`supports_shared_prefix`)."""
+    bucket get 0. Needs the bare model (`supports_shared_prefix`). `router_aux`: as `padded_logps`'s, the
+    load-balancing loss of the padded forward's tokens (`RouterTally`) appended to it."""
     completion_ids = batch.completion_ids
     T = completion_ids.size(1)
     rows, logps, entropy = [], [], []
-    for bucket, logits in shared_prefix_logits(model, batch):  # logits [n, t, V], t <= T
+    router = RouterTally() if router_aux is not None else None
+    for bucket, logits in shared_prefix_logits(model, batch, router):  # logits [n, t, V], t <= T
         t = logits.size(1)
         rows.append(bucket)
         part_logps, part_entropy = _logps_and_entropy(
@@ -278,6 +390,8 @@ def shared_prefix_logps(
         logps.append(nn.functional.pad(part_logps, (0, T - t)))  # [n, T]
         if with_entropy:
             entropy.append(nn.functional.pad(part_entropy, (0, T - t)))
+    if router is not None:
+        router_aux.append(router.loss(model))
     order = torch.argsort(torch.cat(rows))  # [B] back to batch order
     return torch.cat(logps)[order], (torch.cat(entropy)[order] if with_entropy else None)  # [B, T] each
 
@@ -434,9 +548,13 @@ class LogprobPath:
         self.accelerator, self.sharded, self.router_aux_loss_coef = accelerator, sharded, router_aux_loss_coef
         self.share_prompt_prefix, self.micro_batch_size = share_prompt_prefix, micro_batch_size
         self.temperature = forward_settings.get("temperature", 1.0)
+        one_backward = None
+        if router_aux_loss_coef != 0.0:  # `RouterTally`: the gradient of one group's routing needs every group's
+            one_backward = f"router_aux_loss_coef={router_aux_loss_coef}, whose expert counts span every group"
         self.planner = Planner(
-            accelerator, share_prompt_prefix, backward_per_group, forward_settings.get("chunk_size"), self.temperature
-        )
+            accelerator, share_prompt_prefix, backward_per_group, forward_settings.get("chunk_size"), self.temperature,
+            one_backward,
+        )  # fmt: skip
 
     def blocker(self, model: nn.Module) -> str | None:
         """Why the shared-prefix forward does not apply to `model` (as Trainer holds it), or None."""

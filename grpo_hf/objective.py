@@ -124,7 +124,8 @@ class Objective:
 
     def router_aux(self, kwargs: dict) -> list[Tensor] | None:
         """With the MoE load-balancing loss on (`router_aux_loss_coef` != 0): an empty list, put in the log-prob
-        `kwargs` as `router_aux` for the padded forward to fill (`logprobs.padded_logps`); else None."""
+        `kwargs` as `router_aux` for the forward to fill (`logprobs.padded_logps`, `shared_prefix_logps`); else
+        None."""
         if self.router_aux_loss_coef == 0.0:
             return None
         kwargs["router_aux"] = []

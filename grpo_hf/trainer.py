@@ -176,7 +176,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
             alpha = args.ref_model_mixup_alpha
             self.reference_sync = SyncReference(lambda: self.model, self.ref_model, self.accelerator, alpha)
             self.add_callback(self.reference_sync)
-        describe = lambda: self.logps.describe(self.model_wrapped)  # noqa: E731
+        describe = lambda: f"{self.experience.sampler.describe()} | {self.logps.describe(self.model_wrapped)}"  # noqa: E731
         for callback in (
             SkipNonfiniteUpdates(self.guard, self._metrics["train"]),
             StopTogether(self.stop_request, self.accelerator),
@@ -327,7 +327,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
-                router_aux = objective.router_aux(kwargs)  # MoE: the padded forward's load-balancing loss goes here
+                router_aux = objective.router_aux(kwargs)  # MoE: the forward's load-balancing loss goes here
                 logps, entropy = completion_logps(model, batch, share_prefix=share_prefix, with_entropy=True, **kwargs)
                 policy_mask = objective.policy_mask(entropy, batch.completion_mask)  # [B, T] or None: all
                 loss, metrics = objective(

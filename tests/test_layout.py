@@ -150,6 +150,9 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # `vision` (a VLM's per-row image inputs, the forward's vision arguments, its image tokens): torch and
         # transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.vision", set()),
+        # `cache_layers` (the kinds of cache layer transformers builds, a prompt's cache repeated to its rows): torch
+        # and transformers only, for the rollout engines and the log-prob forwards alike
+        ("grpo_hf.cache_layers", set()),
         # rewards: reward models (rewards/reward_models.py) check their paths with `paths`
         ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths", *LEAVES}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
@@ -164,10 +167,14 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
                 "grpo_hf.peft_utils",
                 "grpo_hf.background",
                 "grpo_hf.vision",
+                "grpo_hf.cache_layers",
             },
         ),
         # log-probs: the forwards (`logprobs`) and the choice among them by device and memory (`forward_plan`)
-        ("grpo_hf.logprobs", {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.forward_plan"}),
+        (
+            "grpo_hf.logprobs",
+            {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.forward_plan", "grpo_hf.cache_layers"},
+        ),
         ("grpo_hf.forward_plan", {"grpo_hf.core", "grpo_hf.vision"}),
         # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
         # module: not validation, experience, objective, rollout or rewards); `heads`: the fp32 LM head, the MoE

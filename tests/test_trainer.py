@@ -569,12 +569,15 @@ def test_toy_task_learns_from_scratch(tmp_path):
             {"share_prompt_prefix": False},
             "one padded forward over prompt + completion rows, one backward (share_prompt_prefix=False)",
         ),
-        ({"gradient_checkpointing": True}, "(gradient checkpointing drops the prompt's cached keys/values)"),
+        ({"gradient_checkpointing": True}, "(gradient checkpointing drops the prompt's cache)"),
+        ({"rollout_engine": "generate"}, "rollout engine: generate | log-prob path: shared prompt prefix"),
     ],
 )
 def test_log_prob_path_and_why_are_logged_at_start_up(tmp_path, tiny_llama, tokenizer, caplog, overrides, expected):
+    """One line at the start of training names the rollout engine and the log-prob path, each with its reason."""
     args = tiny_run_args(tmp_path, TRAINING, max_steps=1, **overrides)
     trainer = make_trainer(args, id_sum_reward, make_dataset(), tokenizer=tokenizer, model=tiny_llama)
     with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
-    assert any(expected in record.getMessage() for record in caplog.records)
+    (start,) = [record.getMessage() for record in caplog.records if record.name == "grpo_hf.callbacks"]
+    assert start.startswith("rollout engine: ") and " | log-prob path: " in start and expected in start

@@ -373,8 +373,9 @@ def test_router_aux_loss_is_added_to_the_loss(tmp_path, tokenizer, caplog):
     assert trainer.router_aux_loss_coef == coef
     with caplog.at_level(logging.INFO, logger="grpo_hf"):
         trainer.train()
+    # the shared prompt prefix counts each prompt token once per row, as the padded forward does (checked below)
     assert (
-        "one padded forward over prompt + completion rows, one backward (router_aux_loss_coef=0.5: the MoE"
+        "shared prompt prefix, one backward (auto on cpu: the fewest FLOPs; one backward: router_aux_loss_coef=0.5"
         in caplog.text
     )
     (batch,) = trainer._buffer

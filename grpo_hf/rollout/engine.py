@@ -196,8 +196,32 @@ def make_engine(
     when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
     `blocked_token_ids` (a vision-language model's image tokens) rule out engines that do not take images, and the
     engine chosen never samples them. `record_logps` rules out engines that cannot record the sampler's log-probs
-    (`can_record_logps`) and turns recording on in the one chosen.
+    (`can_record_logps`) and turns recording on in the one chosen. The choice is `choose_engine`'s.
     """
+    candidate, why = choose_engine(
+        name, model, generation_config, sharded=sharded, device=device,
+        blocked_token_ids=blocked_token_ids, record_logps=record_logps,
+    )  # fmt: skip
+    cls = engine_class(candidate)
+    accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
+    engine = cls(generation_config, eos_token_ids, **accepted)
+    engine.blocked_token_ids = list(blocked_token_ids)
+    engine.record_logps = record_logps
+    return engine, why
+
+
+def choose_engine(
+    name: str,
+    model,
+    generation_config,
+    *,
+    sharded: bool = False,
+    device: torch.device | None = None,
+    blocked_token_ids: Sequence[int] = (),
+    record_logps: bool = False,
+) -> tuple[str, str]:
+    """The name of the engine `make_engine` builds for these arguments, and its log line (the engine, and why each
+    one before it in the chain was skipped), without building it."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     chain = _CHAINS["cuda" if device.type == "cuda" else "other"]
     if name == "auto":
@@ -217,14 +241,10 @@ def make_engine(
         if reason is None and record_logps and not cls.can_record_logps:
             reason = "it does not record the sampler's log-probs (record_logps=True)"
         if reason is None:
-            accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
-            engine = cls(generation_config, eos_token_ids, **accepted)
-            engine.blocked_token_ids = list(blocked_token_ids)
-            engine.record_logps = record_logps
             why = f"rollout engine: {candidate}" + (f" (requested {name})" if name != candidate else "")
             if skipped:
                 why += "; skipped " + "; ".join(skipped)
-            return engine, why
+            return candidate, why
         skipped.append(f"{candidate}: {reason}")
     raise ValueError(
         f"rollout_engine={name!r} applies to neither this model nor these settings: {'; '.join(skipped)}."

@@ -29,7 +29,7 @@ from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3
 from grpo_hf.peft_utils import is_peft_model
 from grpo_hf.rollout.batching import Sequences
 from grpo_hf.rollout.custom import rollout_from_func
-from grpo_hf.rollout.engine import RolloutEngine, make_engine
+from grpo_hf.rollout.engine import RolloutEngine, choose_engine, make_engine
 from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
 from grpo_hf.rollout.episodes import EpisodeRunner, Episodes
 from grpo_hf.rollout.lora_decode import LoraDecode
@@ -365,6 +365,20 @@ class Sampler:
             engine.record_logps = self.record_logps
             with self.lora_decode.applied() if self.lora_decode is not None else contextlib.nullcontext():
                 yield model, engine
+
+    def describe(self) -> str:
+        """What samples, for the start-of-training line: `rollout_func`, or the engine `engine_for` takes (or has
+        taken) and why each faster one was skipped (`engine.choose_engine`)."""
+        if self.rollout_func is not None:
+            return "rollout: the rollout_func given (no rollout engine)"
+        if self.engine is not None:
+            return f"rollout engine: {type(self.engine).__name__} (chosen)"
+        model = self.accelerator.unwrap_model(self.wrapped())
+        _, why = choose_engine(
+            self._engine_name(), model, self.generation.generation_config, sharded=self.generation.sharded,
+            blocked_token_ids=image_token_ids(model), record_logps=self.record_logps,
+        )  # fmt: skip
+        return why
 
     def engine_for(self, model: nn.Module) -> RolloutEngine:
         """The rollout engine (`args.rollout_engine`), chosen at the first rollout, with the model on its device; for

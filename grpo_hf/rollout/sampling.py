@@ -9,7 +9,6 @@ the sampler's log-probs with the trainer's under one distribution.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from grpo_hf.cache_layers import cache_keyword
 from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
 from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
@@ -182,16 +182,6 @@ def cumsum(values: torch.Tensor) -> torch.Tensor:
 @cumsum.register_fake
 def _(values: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(values)
-
-
-def cache_keyword(model) -> str:
-    """The keyword `model.forward` takes its KV cache by: `cache` from transformers 5.24 on (which deprecates
-    `past_key_values` and warns at every call), `past_key_values` before."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature: the older keyword, which every 5.x takes
-        return "past_key_values"
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def prefill_distinct_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache, images=None):
