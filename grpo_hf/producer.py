@@ -57,6 +57,7 @@ from torch import nn
 
 from grpo_hf.models import own_copy
 from grpo_hf.parallel import is_zero3
+from grpo_hf.rewards.calling import needs_main_thread
 
 logger = logging.getLogger(__name__)
 
@@ -620,7 +621,10 @@ class AsyncRollouts:
         metrics["async/trainer_wait_fraction"].append(min(waited / elapsed, 1.0))
         metrics["async/producer_wait_fraction"].append(min(handed.admission_wait / elapsed, 1.0))
         produced = handed.produced
-        if not handed.scored:  # sharded reward models: their forwards are collective, run here by every process
+        if produced.failure is not None and needs_main_thread(produced.failure):
+            self._score_on_main_thread(produced.failure)
+            produced.failure, handed.scored = None, False
+        if not handed.scored:  # collective reward models (sharded), or rewards that use signals: scored here
             with self.producer.scoring:
                 produced = self.experience.score_round(produced)
         self.experience.refill_context = lambda r: self._refilling(k, r)  # noqa: E731
@@ -628,6 +632,17 @@ class AsyncRollouts:
             return self.experience.produced_batches(produced, staleness)
         finally:
             self.experience.refill_context = None
+
+    def _score_on_main_thread(self, error: BaseException) -> None:
+        """A reward function failed in the scorer thread because it uses signals (math-verify's timeouts): from now
+        on every batch is scored on the main thread, when the trainer takes it (no overlap of the rewards with
+        training; the other reward functions of that batch run twice)."""
+        if self.producer.scores:
+            logger.warning(
+                f"{error} Asynchronous GRPO scores the rewards on the main thread from now on: they no longer overlap "
+                "training."
+            )
+        self.producer.scores = False
 
     @contextlib.contextmanager
     def _refilling(self, k: int, r: int):

@@ -301,3 +301,56 @@ def test_the_producers_stream_waits_for_the_copy_made_on_the_trainers(tiny_model
     with snapshot.sampling(0):
         pass
     assert waited == ["copied"]
+
+
+# ---- where reward functions run ------------------------------------------------------------------------------------
+def signal_reward(completion_ids, **kwargs):
+    """Sets a SIGALRM handler, as math-verify's parse and verify do with their default timeouts: main thread only."""
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.signal(signal.SIGALRM, previous)
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_reward_that_uses_signals_is_scored_on_the_main_thread(tmp_path, caplog, policy):
+    """It fails in the scorer thread (signal only works in the main thread), whatever reward_error_policy says; the
+    producer then hands every batch to the main thread to score: the run is the one a thread-safe twin gives."""
+    from conftest import id_sum_reward
+
+    with caplog.at_level("WARNING", logger="grpo_hf.producer"):
+        signals = train(tmp_path, "signal", reward=signal_reward, max_staleness=1, reward_error_policy=policy)
+    plain = train(tmp_path, "plain", reward=id_sum_reward, max_staleness=1, reward_error_policy=policy)
+    for (name, a), (_, b) in zip(signals.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert [row["reward"] for row in train_logs(signals)] == [row["reward"] for row in train_logs(plain)]
+    (warning,) = [r.getMessage() for r in caplog.records if "main thread from now on" in r.getMessage()]
+    assert "'signal_reward'" in warning
+
+
+def test_sharded_reward_models_are_scored_on_the_main_thread(tmp_path, monkeypatch):
+    """Under FSDP or ZeRO-3 a reward model's forward gathers its shards: a collective, which must run on the main
+    threads of every process in step, never in the scorer thread (stood in for: the trainer told it is sharded)."""
+    threads = []
+
+    class RewardModel(torch.nn.Module):  # a reward function with a `.model`, as grpo_hf wraps reward models
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(1))
+
+    class ModelReward:
+        __name__ = "model_reward"
+
+        def __init__(self):
+            self.model = RewardModel()
+
+        def __call__(self, completion_ids, **kwargs):
+            threads.append(threading.current_thread().name)
+            return [float(sum(ids) % 7) for ids in completion_ids]
+
+    args = tiny_run_args(tmp_path / "sharded", preset={**TRAINING, **GRID, "max_staleness": 1, "max_steps": 3})
+    trainer = make_trainer(args, reward=ModelReward(), tokenizer=TOKENIZER)
+    monkeypatch.setattr(producer_module, "is_zero3", lambda accelerator: True)  # as the producer starts
+    trainer.train()
+    assert threads == ["MainThread"] * 3

@@ -365,6 +365,9 @@ def _resolve(
             batch.log.commit()
         return rewards, 0
     error = batch.error
+    if needs_main_thread(error):  # the thread's doing, not the samples': raised whatever the policy, so that the
+        where = f"on a batch of {n} completions"  # caller can call it again on the main thread (async GRPO does)
+        raise RuntimeError(_failure_message(name, error, where, timeout)) from error
     if isinstance(error, _RewardTimeout):
         if error_policy == "raise":
             raise RuntimeError(_failure_message(name, error, f"on a batch of {n} completions", timeout))
