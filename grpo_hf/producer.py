@@ -93,6 +93,8 @@ class WeightSnapshot:
         self._copied = _cuda_event(self.model)  # the copy was made on the main thread's stream
         if saved:
             for saved_version, tensors in saved.items():
+                if len(tensors) == len(params) + len(list(model.buffers())):  # a checkpoint that kept every tensor
+                    tensors = [tensors[i] for i in self._moving]
                 self._staged[saved_version] = ([t.to(self.model.device) for t in tensors], _cuda_event(self.model))
             oldest = min(saved)
             self.version = oldest - 1  # so that `load(oldest)` takes the saved weights

@@ -354,3 +354,24 @@ def test_sharded_reward_models_are_scored_on_the_main_thread(tmp_path, monkeypat
     monkeypatch.setattr(producer_module, "is_zero3", lambda accelerator: True)  # as the producer starts
     trainer.train()
     assert threads == ["MainThread"] * 3
+
+
+def test_a_checkpoint_that_kept_every_tensor_still_resumes(tmp_path):
+    """Checkpoints written before only trainable tensors were staged hold every parameter and buffer of a version:
+    a LoRA policy resumes from them with the adapters of that version."""
+    from peft import LoraConfig
+
+    from grpo_hf.producer import WeightSnapshot
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = tiny_run_args(tmp_path / "old", preset={**TRAINING, **GRID})
+    policy = make_trainer(args, tokenizer=TOKENIZER, peft_config=lora).model
+    every = [t.detach().clone() for t in (*policy.parameters(), *policy.buffers())]
+    for tensor, param in zip(every, policy.parameters(), strict=False):  # version 1: the trainable tensors + 1
+        if param.requires_grad:
+            tensor.add_(1.0)
+    snapshot = WeightSnapshot(policy, version=3, saved={1: every})
+    assert snapshot.version == 1
+    copy = dict(snapshot.model.named_parameters())
+    for (name, _), tensor in zip(policy.named_parameters(), every, strict=False):  # every[n_params:]: buffers
+        assert torch.equal(copy[name], tensor), name
