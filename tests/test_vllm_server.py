@@ -132,6 +132,15 @@ def test_the_producer_samples_from_the_server_one_step_behind(tmp_path, server, 
         assert all(torch.isfinite(torch.tensor(row["loss"])) for row in result["logs"])
 
 
+def test_a_sharded_reward_model_is_scored_on_the_main_threads(tmp_path, server):
+    """FSDP2 with 2 processes at max_staleness=1 through a server: the reward model is sharded like the reference, so
+    its forward gathers shards, a collective; it runs on each process's main thread, never in the scorer thread
+    (where it would interleave with the main thread's collectives and hang)."""
+    for result in _train(tmp_path, server, 2, "fsdp2-reward", staleness=1):
+        assert result["sharded"] and result["reward_threads"] == ["MainThread"]
+        assert max(row["async/staleness_max"] for row in result["logs"]) == 1.0
+
+
 SERVER_MODE = dict(use_vllm=True, vllm_mode="server", use_cpu=True)
 
 

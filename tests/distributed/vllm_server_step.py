@@ -8,19 +8,21 @@ samples greedily from the server for prompts of its own (different on each proce
 rows back. With `fsdp2`, the policy is sharded with FSDP2 (accelerate's FSDP path, let run on CPU by the sharded
 harness's patch): process 0 pushes weights gathered from the shards. `sync-3`: the same for 3 steps at a lower
 learning rate; a STALENESS (0, 1, ...): an `AsyncGRPOTrainer` at that max_staleness instead (its producer thread
-samples from the server), as `sync-3`. Writes OUT_PREFIX-<rank>.json (with the logs and the versions the producer
-pushed) and the trained parameters in OUT_PREFIX-<rank>.pt.
+samples from the server), as `sync-3`. `fsdp2-reward`: `fsdp2` with a reward model too (sharded like the reference
+model): the threads its forwards ran on are recorded. Writes OUT_PREFIX-<rank>.json (with the logs and the versions
+the producer pushed) and the trained parameters in OUT_PREFIX-<rank>.pt.
 """
 
 import contextlib
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's helpers
 
@@ -34,7 +36,7 @@ from grpo_hf.rollout import tokenize_prompts  # noqa: E402
 
 def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", staleness: str = "sync") -> None:
     sharding = {}
-    if layout == "fsdp2":
+    if layout.startswith("fsdp2"):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from sharded import allow_fsdp_on_cpu
 
@@ -67,10 +69,19 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
     stage = ServerWeights.stage
     ServerWeights.stage = lambda self, version: (stage(self, version), pushed.append(version))[0]
     trainer_cls = GRPOTrainer if staleness.startswith("sync") else AsyncGRPOTrainer
-    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=trainer_cls)
+    rewards, reward_threads = reward, set()
+    if layout == "fsdp2-reward":  # a sequence classifier of the served model's shape, scoring every completion
+        from transformers import AutoModelForSequenceClassification
+
+        config = AutoConfig.from_pretrained(model_dir, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(5)
+        scorer = AutoModelForSequenceClassification.from_config(config)
+        scorer.register_forward_hook(lambda *_: reward_threads.add(threading.current_thread().name))
+        rewards = [reward, scorer]
+    trainer = make_trainer(args, rewards, dataset, tokenizer=tokenizer, model=model, trainer_cls=trainer_cls)
     trainer.train()
     rank = trainer.accelerator.process_index
-    with fsdp2_gathered(trainer.model) if layout == "fsdp2" else contextlib.nullcontext():
+    with fsdp2_gathered(trainer.model) if layout.startswith("fsdp2") else contextlib.nullcontext():
         trained = {
             name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
         }
@@ -83,7 +94,7 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
     engine = trainer.rollout or trainer.experience.sampler.engine_for(trainer.accelerator.unwrap_model(trainer.model))
     engine.generation_config = config
     ours = engine.generate(trainer.model.eval(), prompt_ids, prompt_mask)
-    with fsdp2_gathered(trainer.model) if layout == "fsdp2" else contextlib.nullcontext():  # per-process generate
+    with fsdp2_gathered(trainer.model) if layout.startswith("fsdp2") else contextlib.nullcontext():  # per-process
         reference = trainer.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -99,6 +110,7 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
         "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
         "logs": [row for row in trainer.state.log_history if "loss" in row],
         "producer_pushes": pushed,
+        "reward_threads": sorted(reward_threads),
     }
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
     exit_without_teardown()
