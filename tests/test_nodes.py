@@ -10,6 +10,7 @@ nothing runs twice. Two launches of the script (about 40 s each here) serve ever
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -170,3 +171,30 @@ def test_per_node_state_is_made_once_per_node(one_machine, two_machines):
         assert rank["conversions"][0].startswith(str(two_machines["tmp"] / f"node{node}" / "cache"))
         model = two_machines["tmp"] / f"node{node}" / "cache" / "grpo_hf"
         assert [json.loads(p.read_text())["model_type"] for p in model.glob("*/config.json")] == ["qwen2"]
+
+
+FAULTS = Path(__file__).parent / "distributed" / "faults.py"
+FAULT_BOUND_S = 150  # as tests/test_faults.py: the script sets ddp_timeout=60 s
+MACHINE_FAULTS = {
+    # stop_together names the process and, the job spanning two machines, its node and host
+    "reward_raises": r"Failed while computing rewards on 1 of 2 processes \(process 1 on node 1 \([^)]+\): "
+    r".*answer key is missing",
+    # a process gone without a word: gloo names the peer's address on machine 0 (closed or reset, by timing), the
+    # launcher of machine 1 its rank and signal
+    "sigkill": r"\[127\.0\.0\.1\]:\d+: Connection (closed|reset) by peer|Connection (closed|reset) by peer \[127",
+}
+
+
+@pytest.mark.parametrize("mode", list(MACHINE_FAULTS))
+def test_a_failure_on_machine_1_stops_machine_0_naming_it(tmp_path, mode):
+    """A reward that raises (or a SIGKILL) on machine 1's process only: machine 0 exits non-zero, soon, and its own
+    output says which process, on which machine, failed."""
+    machine0, machine1 = run_machines(tmp_path, 2, FAULTS, str(tmp_path / "run"), mode, timeout=FAULT_BOUND_S)
+    assert machine0["rc"] != 0 and machine1["rc"] != 0
+    assert machine0["seconds"] < FAULT_BOUND_S
+    output = machine0["out"] + machine0["err"]
+    assert re.search(MACHINE_FAULTS[mode], output), output[-4000:]
+    if mode == "sigkill":
+        assert re.search(r"rank\s*: 1 \(local_rank: 0\)\s*\n\s*exitcode\s*: -9", machine1["err"]), machine1["err"][
+            -3000:
+        ]

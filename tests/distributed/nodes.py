@@ -15,6 +15,7 @@ SHARED_DIR and its node's directories (a `sys.addaudithook` hook), and the conve
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +106,7 @@ def run_recipe(shared: Path) -> tuple[dict, list[str]]:
 
     def dequantized(gguf_dir, gguf_file):  # the conversion's reading part; its writing part runs as it is
         conversions.append(str(offline_model.default_cache_dir()))
+        time.sleep(2)  # as long as a real conversion takes against the other processes' start: unguarded, all convert
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer, "qwen2", seed=5, tied=True), tokenizer
 
