@@ -198,3 +198,26 @@ def test_a_failure_on_machine_1_stops_machine_0_naming_it(tmp_path, mode):
         assert re.search(r"rank\s*: 1 \(local_rank: 0\)\s*\n\s*exitcode\s*: -9", machine1["err"]), machine1["err"][
             -3000:
         ]
+
+
+def test_a_server_on_another_machine_without_a_shared_weights_dir_is_warned_of(tmp_path, monkeypatch, caplog):
+    """The weights reach a vLLM server as files: /dev/shm (the default) is this machine's only."""
+    from conftest import tiny_run_args
+
+    from grpo_hf.rollout import vllm_server
+
+    assert vllm_server.on_this_machine("http://127.0.0.1:8000") and vllm_server.on_this_machine("http://localhost:1")
+    assert vllm_server.on_this_machine(f"http://{socket.gethostname()}:8000")
+    assert not vllm_server.on_this_machine("http://198.51.100.7:8000")  # TEST-NET-2: another machine
+    monkeypatch.setattr(vllm_server.VLLMServer, "connect", lambda self: "m")
+    settings = dict(use_vllm=True, vllm_mode="server", use_cpu=True)
+    for url, weights_dir, warned in [
+        ("http://198.51.100.7:8000", None, True),
+        ("http://198.51.100.7:8000", str(tmp_path), False),
+        ("http://127.0.0.1:8000", None, False),
+    ]:
+        caplog.clear()
+        args = tiny_run_args(tmp_path, settings, vllm_server_base_url=url, vllm_server_weights_dir=weights_dir)
+        with caplog.at_level("WARNING", logger="grpo_hf"):
+            vllm_server.VLLMServer(args, None, [2])
+        assert ("cannot read" in caplog.text and "vllm_server_weights_dir" in caplog.text) == warned, url
