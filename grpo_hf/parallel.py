@@ -19,6 +19,7 @@ reference model mixes the policy's parameters into it (`mix_parameters_`), once 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -79,14 +80,25 @@ def stop_together(failure: BaseException | None, accelerator, doing: str) -> Non
         return
     from accelerate.utils import gather_object
 
-    reports = gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"])
+    report = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports, machines = zip(*gather_object([(report, this_machine())]), strict=True)
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if failed:
-        where = "; ".join(f"process {rank}: {report}" for rank, report in failed)
+        several = len(set(machines)) > 1  # name the machine too, where the job spans several
+        where = "; ".join(
+            f"process {rank}{f' on {machines[rank]}' if several else ''}: {report}" for rank, report in failed
+        )
         raise RuntimeError(
             f"Failed while {doing} on {len(failed)} of {len(reports)} processes ({where}). Every "
             "process stops here, so that none waits for the others."
         ) from failure
+
+
+def this_machine() -> str:
+    """`node N (host)`: the launcher's node rank (torchrun's and accelerate's `GROUP_RANK`) and the host name."""
+    import socket
+
+    return f"node {os.environ.get('GROUP_RANK', '?')} ({socket.gethostname()})"
 
 
 def check_same_dataset(dataset, accelerator, name: str = "train_dataset") -> None:

@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     _ = config.device  # initialises the process group under `accelerate launch` (gloo on CPU with use_cpu)
     state = PartialState()
 
-    model_path = resolve_model_path(args.model_name_or_path)  # the offline alias: its converted checkpoint
+    with state.local_main_process_first():  # the offline alias: converted once per node, into the node's cache
+        model_path = resolve_model_path(args.model_name_or_path)
     logger.info("Loading %s", model_path)
     tokenizer = load_tokenizer(model_path, trust_remote_code=config.trust_remote_code)
     model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}

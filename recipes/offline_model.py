@@ -84,7 +84,12 @@ def _cache_name() -> str:
 
 
 def convert_gguf(gguf_dir: str | os.PathLike, gguf_file: str, output_dir: str | os.PathLike) -> None:
-    """De-quantize a GGUF checkpoint into a plain (trainable) float32 checkpoint at `output_dir`.
+    """De-quantize a GGUF checkpoint into a plain (trainable) float32 checkpoint at `output_dir`."""
+    save_checkpoint(*dequantized_model(gguf_dir, gguf_file), output_dir)
+
+
+def dequantized_model(gguf_dir: str | os.PathLike, gguf_file: str):
+    """(model, tokenizer) of a GGUF checkpoint, the model rebuilt without its `quantization_config`.
 
     The rebuilt model is only saved, never run: its non-persistent buffers (rotary frequencies) stay
     on the meta device and are recomputed when the checkpoint is loaded.
@@ -103,7 +108,26 @@ def convert_gguf(gguf_dir: str | os.PathLike, gguf_file: str, output_dir: str | 
     model.tie_weights()
     if model.generation_config is not None and quantized.generation_config is not None:
         model.generation_config = quantized.generation_config
-    model.save_pretrained(output_dir)
+    return model, tokenizer
+
+
+def save_checkpoint(model, tokenizer, output_dir: str | os.PathLike) -> None:
+    """Config, generation config, weights (safetensors) and tokenizer, written by this process whatever its rank.
+
+    Not `model.save_pretrained`: under torch.distributed it writes on global rank 0 only, and the cache is per
+    node, so the local main process of every other node would be left with a tokenizer and no model."""
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    model.config.save_pretrained(output_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(output_dir)
+    weights, stored = {}, set()
+    for name, tensor in model.state_dict().items():  # a tied weight once, under its first name (the embedding)
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            weights[name] = tensor.contiguous()
+    save_file(weights, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(output_dir)
 
 
@@ -112,7 +136,8 @@ def offline_model_path(cache_dir: str | os.PathLike | None = None) -> str:
 
     The conversion (about 20 s) is written to a temporary directory next to the target and renamed
     into place, so an interrupted conversion never leaves a half-written cache, and concurrent
-    processes (one per GPU/CPU rank) each end up reading one complete copy.
+    processes (one per GPU/CPU rank) each end up reading one complete copy. The cache is per node:
+    the recipes convert on each node's local main process first (`local_main_process_first`).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / _cache_name()

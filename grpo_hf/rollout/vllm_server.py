@@ -61,6 +61,13 @@ class VLLMServer:
             except Exception as error:  # every process stops with it (`stop_together`)
                 failure = error
         self._together(failure, "connecting to the vLLM server")
+        if self.is_main and args.vllm_server_weights_dir is None and not on_this_machine(self.url):
+            logger.warning(
+                f"The vLLM server at {self.url} is on another machine and vllm_server_weights_dir is not set: the "
+                "weights are written to /dev/shm on this machine, which the server cannot read, and its reload will "
+                "fail. Set vllm_server_weights_dir to a directory of a file system both machines read "
+                "(recipes/slurm/grpo.sbatch does)."
+            )
 
     # ---- HTTP --------------------------------------------------------------------------------------------------
     def request(self, route: str, body: dict | None = None, timeout: float | None = None) -> Any:
@@ -213,6 +220,24 @@ class VLLMServer:
         box = [results]
         broadcast_object_list(box, from_process=0)
         return box[0][self.accelerator.process_index]
+
+
+def on_this_machine(url: str) -> bool:
+    """Whether the host of `url` is this machine: a loopback or unspecified address, or this host's name or address
+    (looked up; a name that does not resolve counts as another machine)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host in ("localhost", "0.0.0.0", "::", "::1") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        return socket.gethostbyname(host) in {socket.gethostbyname(name) for name in names}
+    except OSError:
+        return False
 
 
 def request_seeds(n: int) -> list[int]:
