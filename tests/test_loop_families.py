@@ -12,7 +12,8 @@ import copy
 
 import pytest
 import torch
-from test_families import ATTENTION, COMMON, build
+import transformers
+from test_families import ATTENTION, COMMON, CONFIGS, WINDOW, build
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, LlamaConfig
 
 from grpo_hf.cache_layers import cache_keyword, select_rows
@@ -20,19 +21,41 @@ from grpo_hf.rollout import engine_class, loop, make_engine
 from grpo_hf.rollout.loop import LoopEngine
 from grpo_hf.rollout.sampling import DrawFromStreams, resolve_sampling_settings
 
-FAMILIES = ["qwen3_5", "qwen3_next", "gemma3", "gemma4", "gpt_oss", "lfm2", "granitemoehybrid", "falcon_h1"]
+FAMILIES = [
+    "qwen3_5",
+    "qwen3_next",
+    "gemma3",
+    "gemma4",
+    "gemma4_kv_shared",  # its last two layers read the keys of earlier ones (`DummyLayer`s in the cache)
+    "gpt_oss",
+    "lfm2",
+    "granitemoehybrid",
+    "falcon_h1",
+]
 ENDS = [1, 2, 3, 4]  # a sixteenth of the vocabulary ends a completion: rows finish at many lengths
 N, P, T = 9, 10, 24
 
 
 def sharpened(family: str):
     """`test_families.build(family)` in eval mode, its matrices (but the embeddings) scaled by 3."""
-    model = build(family).eval()
+    model = (build(family) if family in CONFIGS else _gemma4_kv_shared()).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() >= 2 and "embed" not in name:
                 parameter.mul_(3.0)
     return model
+
+
+def _gemma4_kv_shared():
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig")
+    layers = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON, **layers}, **ATTENTION, sliding_window=WINDOW, num_kv_shared_layers=2
+    )
+    assert [type(layer).__name__ for layer in DynamicCache(config=config).layers][2:] == ["DummyLayer"] * 2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
