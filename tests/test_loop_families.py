@@ -6,6 +6,8 @@ and finished rows leave the batch (`cache_layers.select_rows`); the tokens are t
 same uniforms. The tiny configs are `test_families`' (a window of 4, prompts of up to 10 tokens, completions of up to
 24), with their weights scaled up so that what a row samples depends on its whole context: a row decoded on another
 row's state, or on a window that lost a key, samples other tokens (checked by hand, breaking `select_rows`).
+`cuda_graph` serves the sliding windows (its step's mask per layer type): the same tokens, eager and compiled (checked
+by hand too: with the full mask on its sliding layers it samples others).
 """
 
 import copy
@@ -13,11 +15,12 @@ import copy
 import pytest
 import torch
 import transformers
-from test_families import ATTENTION, COMMON, CONFIGS, WINDOW, build
+from test_families import ATTENTION, COMMON, CONFIGS, VOCAB, WINDOW, build
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, LlamaConfig
 
 from grpo_hf.cache_layers import cache_keyword, select_rows
-from grpo_hf.rollout import engine_class, loop, make_engine
+from grpo_hf.rollout import loop, make_engine
+from grpo_hf.rollout.cuda_graph import CUDAGraphEngine
 from grpo_hf.rollout.loop import LoopEngine
 from grpo_hf.rollout.sampling import DrawFromStreams, resolve_sampling_settings
 
@@ -50,6 +53,7 @@ def _gemma4_kv_shared():
     if not hasattr(transformers, "Gemma4TextConfig"):
         pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig")
     layers = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
+    layers.update(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # not 262,144 x 256 per layer
     config = transformers.Gemma4TextConfig(
         **{**COMMON, **layers}, **ATTENTION, sliding_window=WINDOW, num_kv_shared_layers=2
     )
@@ -110,17 +114,41 @@ def test_loop_draws_the_tokens_generate_draws(family, monkeypatch):
     assert len(set(ends[:3])) > 1, ends  # rows of one prompt finish at different lengths
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])  # sdpa with a boolean mask; eager (sinks), an additive one
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_gives_sliding_windows_their_window(family, compiled):
+    """`cuda_graph` on full and sliding-window layers (a window of 4, shorter than prompt + completion): the step's
+    mask per layer type (`step_masks`) draws the tokens `generate` draws, eagerly and compiled as one graph."""
+    model = sharpened(family)
+    prompt_ids, prompt_mask = prompts()
+    config = GenerationConfig(
+        max_new_tokens=T, do_sample=True, temperature=0.8, top_k=0, pad_token_id=0, eos_token_id=ENDS
+    )
+    assert CUDAGraphEngine.unsupported_reason(model, config) is None
+    engine = CUDAGraphEngine(config, ENDS, compile=compiled)
+    engine.compile_kwargs = {"fullgraph": True, "backend": "eager", "dynamic": False}
+    torch.manual_seed(5)
+    ours = engine.sample(model, prompt_ids, prompt_mask)  # [N, T']
+    torch.manual_seed(5)
+    reference = generate_with_loop_draws(model, prompt_ids, prompt_mask, config)
+    assert ours.shape == reference.shape and torch.equal(ours, reference)
+    assert engine._buckets and all(bucket.state.window.item() == WINDOW for bucket in engine._buckets.values())
+
+
 def test_a_layer_the_loop_does_not_serve_falls_back_to_generate_naming_it():
     config = LlamaConfig(**COMMON, **ATTENTION, layer_types=["full_attention", "indexed_attention"])
     model = AutoModelForCausalLM.from_config(config).eval()
     settings = GenerationConfig(max_new_tokens=4, do_sample=True, pad_token_id=0)
     engine, why = make_engine("loop", model, settings, ENDS)
     assert engine.name == "generate" and "DynamicIndexedLayer (layers 1)" in why, why
-    # cuda_graph serves full attention only: a sliding window or a linear-attention state is named, layer by layer
-    reason = engine_class("cuda_graph").unsupported_reason(build("qwen3_5"), settings)
+    # cuda_graph serves full attention and sliding windows: a linear-attention state, a layer reading another's keys
+    # (Gemma 4's KV sharing) are named, layer by layer
+    reason = CUDAGraphEngine.unsupported_reason(build("qwen3_5"), settings)
     assert reason.endswith("LinearAttentionLayer (layers 0)"), reason
-    reason = engine_class("cuda_graph").unsupported_reason(build("gemma3"), settings)
-    assert reason.endswith("DynamicSlidingWindowLayer (layers 0)"), reason
+    reason = CUDAGraphEngine.unsupported_reason(sharpened("gemma4_kv_shared"), settings)
+    assert reason.endswith("DummyLayer (layers 2, 3)"), reason
+    engine, why = make_engine("auto", build("qwen3_5"), settings, ENDS, device=torch.device("cuda"))
+    assert engine.name != "cuda_graph" and "cuda_graph: the model's cache has layers" in why, why
 
 
 @torch.no_grad()
