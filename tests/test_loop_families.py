@@ -222,3 +222,26 @@ def test_tool_turns_on_a_hybrid_cache_read_their_own_context(family):
         expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
         expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "lfm2", "falcon_h1"])
+def test_loop_records_the_log_probs_its_tokens_were_drawn_with(family):
+    """`record_logps` on a hybrid or sliding-window cache: each token's log-prob under the distribution it was drawn
+    from is the one a padded forward over prompt + completion gives."""
+    model = sharpened(family)
+    prompt_ids, prompt_mask = prompts()
+    config = GenerationConfig(
+        max_new_tokens=T, do_sample=True, temperature=0.8, top_k=0, pad_token_id=0, eos_token_id=ENDS
+    )
+    engine, why = make_engine("loop", model, config, ENDS, record_logps=True)
+    assert isinstance(engine, LoopEngine), why
+    torch.manual_seed(5)
+    completions = engine.generate(model, prompt_ids, prompt_mask)
+    mask = completions.completion_mask  # [N, T']
+    ids, attended = torch.cat([prompt_ids, completions.completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+    positions = (attended.cumsum(-1) - 1).masked_fill(attended == 0, 1)  # as `generate` numbers them
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attended, position_ids=positions).logits[:, P - 1 : -1]
+    expected = torch.log_softmax(logits.float() / 0.8, dim=-1).gather(2, ids[:, P:, None]).squeeze(2)
+    expected = expected.masked_fill(mask == 0, 0)  # [N, T']
+    torch.testing.assert_close(engine.sampling_logps, expected, rtol=1e-5, atol=1e-5)
