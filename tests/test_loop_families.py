@@ -114,7 +114,7 @@ def test_loop_draws_the_tokens_generate_draws(family, monkeypatch):
     assert len(set(ends[:3])) > 1, ends  # rows of one prompt finish at different lengths
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])  # sdpa with a boolean mask; eager (sinks), an additive one
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gpt_oss"])  # sdpa: a boolean mask; eager (sinks): additive
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_graph_gives_sliding_windows_their_window(family, compiled):
     """`cuda_graph` on full and sliding-window layers (a window of 4, shorter than prompt + completion): the step's
