@@ -25,6 +25,11 @@ gradient; the copy assigns instead (the conv state through the layers' own `acti
 state by an assigning `update_recurrent_state` on the copy). The prompt's cache itself is left as the model made it.
 A class not in `REPEATABLE` (a static or quantized layer, DeepSeek-V3.2's indexed attention, a model's own layer
 class) is not repeated: `unrepeatable_layers` names it.
+
+For decoding without gradients (the `loop` engine), `select_rows` keeps, repeats or drops rows of every layer with
+the layer's own batch operation (`reorder_cache`, transformers' beam-search reorder: an `index_select` of the keys and
+values, or of the conv and recurrent states). Each call makes new tensors, so rows taken from one prompt share no
+storage, and a linear-attention layer's in-place state update (`copy_`) writes to its own batch only.
 """
 
 from __future__ import annotations
@@ -79,12 +84,18 @@ def cache_layer_classes(config) -> list[type] | None:
 def unrepeatable_layers(config) -> str | None:
     """Which of `config`'s cache layers `repeat_cache` cannot repeat, named (e.g. "StaticLayer (layers 0, 2)"), or
     None when it repeats them all."""
-    classes = cache_layer_classes(config)
-    if classes is None:
+    return layers_outside(config, REPEATABLE)
+
+
+def layers_outside(config, classes: tuple[type, ...]) -> str | None:
+    """Which of `config`'s cache layers are of none of `classes` (exactly, not subclasses), named with their indices
+    (e.g. "DynamicSlidingWindowLayer (layers 0, 2)"), or None when all are."""
+    built = cache_layer_classes(config)
+    if built is None:
         return "a cache transformers' DynamicCache does not build from the config"
     odd: dict[str, list[int]] = {}
-    for index, cls in enumerate(classes):
-        if cls not in REPEATABLE:
+    for index, cls in enumerate(built):
+        if cls not in classes:
             odd.setdefault(cls.__name__, []).append(index)
     if not odd:
         return None
@@ -102,6 +113,16 @@ def repeat_cache(cache, repeats: int):
     repeated = copy.copy(cache)
     repeated.layers = [_repeat_layer(layer, repeats) for layer in cache.layers]
     return repeated
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep rows `index` [A'] (long; rows may repeat) of every layer of `cache`, in place, each layer by its own
+    `reorder_cache`: new tensors, none shared with another row or with the states before. For decoding (no
+    gradients): the new states are written in place by the next forward, as the model writes them."""
+    for layer in cache.layers:
+        if not isinstance(layer, REPEATABLE):
+            raise ValueError(f"cannot select rows of a {type(layer).__name__} cache layer (`cache_layers.REPEATABLE`)")
+        layer.reorder_cache(index)
 
 
 def _repeat_layer(layer, repeats: int):

@@ -13,7 +13,10 @@ It samples what `model.generate` samples (the same processors, in the same order
   bucket it ran in. The step compiles once per bucket, in the bucket's first step, and only when a batch fits no
   bucket seen.
 - `decode_step`: one token per row. The model gets a 4-D mask [N, 1, 1, L] (boolean for sdpa, additive for eager),
-  which transformers' `masking_utils` passes through as is, plus `position_ids`; the cache writes at a device
+  which transformers' `masking_utils` passes through as is, plus `position_ids`; a model with sliding-window layers
+  (Gemma 3, GPT-OSS) gets one mask per layer type (`step_masks`), the sliding one cut to the last `window` slots,
+  its sliding layers' buffers spanning every slot as the full layers' do (the prefill's last window - 1 keys
+  loaded at the prompt's end); the cache writes at a device
   index (`StaticRowsLayer`). Grouped-query models (Qwen2.5: 14 query heads over 2 KV heads) attend with
   `grouped_decode_attention`: the query heads of a KV head read the cache as one group, where transformers' sdpa
   path would repeat the whole cache per layer and token under torch.compile. The processors are pure tensor
@@ -47,6 +50,7 @@ It samples what `model.generate` samples (the same processors, in the same order
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -55,7 +59,7 @@ from dataclasses import dataclass, fields
 import torch
 import transformers
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -251,6 +255,30 @@ class StaticRowsLayer(CacheLayerMixin):
         return self.keys.size(2)
 
 
+def sliding_window_reason(model) -> str | None:
+    """Why the step cannot give `model`'s sliding-window layers their window (`step_masks`), or None: it needs the
+    layer types `full_attention` and `sliding_attention` only (a chunked layer's mask is a chunk, not a window) and a
+    decoder whose forward takes a dict of masks by layer type as built (transformers' own convention, which
+    `generate` uses: `isinstance(causal_mask_mapping := attention_mask, dict)` in the forward's code)."""
+    config = model.config.get_text_config(decoder=True)
+    windows = _windows(DynamicCache(config=config))
+    if not windows:
+        return None
+    if len(windows) > 1:
+        return f"sliding windows of {sorted(windows)} tokens (the step has one window mask)"
+    odd = sorted(set(getattr(config, "layer_types", None) or ["(none)"]) - {"full_attention", "sliding_attention"})
+    if odd:
+        return f"layer types {', '.join(odd)} (the step masks full_attention and sliding_attention layers only)"
+    decoder = model.get_decoder()
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):  # no source to read: do not guess
+        source = ""
+    if "isinstance(causal_mask_mapping := attention_mask, dict)" not in source:
+        return f"{type(decoder).__name__}'s forward does not take a mask per layer type (its sliding window's)"
+    return None
+
+
 def static_cache_reason() -> str | None:
     """Why `StaticRowsLayer` cannot be built with the installed transformers (say, an abstract method added to
     `CacheLayerMixin`, or a changed `Cache` constructor), or None; checked before the engine is chosen."""
@@ -280,6 +308,7 @@ class DecodeState:
     running_steps: torch.Tensor  # [1] draws made while some row was still running: the completion length
     eos_token_ids: torch.Tensor  # [E]
     logps: torch.Tensor | None = None  # [N, T] float32: each drawn token's log-prob (None: not recorded)
+    window: torch.Tensor | None = None  # [1] long: the sliding window (None: every layer attends to all it sees)
 
 
 @dataclass
@@ -330,7 +359,7 @@ def decode_step(
     state.attention_mask.index_fill_(-1, state.slot, attend)  # the new token sees itself
     logits = model(
         input_ids=state.input_ids,
-        attention_mask=state.attention_mask,
+        attention_mask=step_masks(state),
         position_ids=state.position_ids,
         use_cache=True,
         **{cache_keyword: cache},
@@ -338,6 +367,22 @@ def decode_step(
     state.slot.add_(1)
     state.position_ids.add_(1)
     draw(logits, state, settings)
+
+
+def step_masks(state: DecodeState):
+    """The 4-D mask [N, 1, 1, L] the step's token attends with; with a sliding window, one per layer type, the
+    models' own convention (`{"full_attention": ..., "sliding_attention": ...}`, which their forward takes as built):
+    a sliding layer's token at slot s sees the slots s - window + 1 ... s, its last `window` positions (a prompt's and
+    its completion's slots are contiguous), of those the full mask shows."""
+    if state.window is None:  # fixed per bucket: no branch in the graph
+        return state.attention_mask
+    mask = state.attention_mask  # [N, 1, 1, L]
+    recent = torch.arange(mask.size(-1), device=mask.device) > state.slot - state.window  # [L]
+    if mask.dtype == torch.bool:
+        sliding = mask & recent
+    else:
+        sliding = mask.masked_fill(~recent, torch.finfo(mask.dtype).min)
+    return {"full_attention": mask, "sliding_attention": sliding}
 
 
 class _FinishedPoll:
@@ -408,7 +453,7 @@ class CUDAGraphEngine(RolloutEngine):
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
-        reason = unsupported_reason(model, generation_config)
+        reason = unsupported_reason(model, generation_config, layers=(DynamicLayer, DynamicSlidingWindowLayer))
         if reason is not None:
             return reason
         model = base_model(model)
@@ -417,7 +462,7 @@ class CUDAGraphEngine(RolloutEngine):
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in ("sdpa", "eager"):
             return f"attention {attention!r} does not take a 4-D mask as is (sdpa and eager do)"
-        return static_cache_reason()
+        return sliding_window_reason(model) or static_cache_reason()
 
     def on_weights_updated(self, model) -> None:
         """In-place updates need nothing (the graph reads the parameters where they are); moved parameters drop the
@@ -541,6 +586,7 @@ class CUDAGraphEngine(RolloutEngine):
         heads, head_dim, value_dim = first.keys.size(1), first.keys.size(3), first.values.size(3)
         family = (T, vocab_size, len(prefill.layers), first.keys.device, heads, head_dim, value_dim)
         family = (*family, first.keys.dtype, first.values.dtype, mask_dtype, settings, self.record_logps)
+        family = (*family, _sliding_window(prefill))
 
         def holds(rows: int, slots: int, n: int, p: int) -> bool:
             return slots >= p and (n <= rows <= self.max_row_padding * n if share_rows else rows == n)
@@ -562,8 +608,10 @@ def _new_bucket(
     prefill, N, prompt_slots, T, vocab_size, mask_dtype, settings, eos_token_ids, record_logps=False
 ) -> _Bucket:
     """The static cache (in the prefill's key and value dtypes, which differ under autocast) and decode state (with a
-    log-prob buffer when `record_logps`)."""
+    log-prob buffer when `record_logps`, the sliding window when some layers have one). A sliding-window layer's
+    buffers span every slot too: the step's mask gives it its window (`step_masks`)."""
     device = prefill.layers[0].keys.device
+    window = _sliding_window(prefill)
     L = prompt_slots + T
     with_seen = settings.repetition_penalty != 1  # the repetition penalty's [N, V] mask
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]
@@ -585,9 +633,19 @@ def _new_bucket(
         running_steps=torch.zeros(1, dtype=torch.long, device=device),
         eos_token_ids=torch.tensor(list(eos_token_ids), dtype=torch.long, device=device),
         logps=torch.zeros((N, T), dtype=torch.float32, device=device) if record_logps else None,
+        window=None if window is None else torch.tensor([window], dtype=torch.long, device=device),
     )
     _mark_static(*(getattr(state, name) for name in state.__dataclass_fields__))
     return _Bucket(prompt_slots, settings, Cache(layers=layers), state)
+
+
+def _windows(cache: DynamicCache) -> set[int]:
+    return {layer.sliding_window for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)}
+
+
+def _sliding_window(prefill: DynamicCache) -> int | None:
+    """The window of the prefill's sliding-window layers (one: `sliding_window_reason`), or None."""
+    return max(_windows(prefill), default=None)
 
 
 @torch.no_grad()
@@ -612,8 +670,9 @@ def _load_prompts(bucket: _Bucket, prompt_ids, prompt_mask, prefill: DynamicCach
         prompt_ids, prompt_mask, rows = prompt_ids[pick], prompt_mask[pick], rows[pick]
     start, stop = bucket.prompt_slots - P, bucket.prompt_slots
     for layer, source in zip(bucket.cache.layers, prefill.layers, strict=True):
-        layer.keys[:, :, start:stop].copy_(source.keys[rows])
-        layer.values[:, :, start:stop].copy_(source.values[rows])
+        kept = source.keys.size(2)  # P; a sliding-window layer keeps its last window - 1 (the step's mask hides more)
+        layer.keys[:, :, stop - kept : stop].copy_(source.keys[rows])
+        layer.values[:, :, stop - kept : stop].copy_(source.values[rows])
     visible = torch.zeros((N + spare, state.attention_mask.size(-1)), dtype=torch.bool, device=prompt_ids.device)
     visible[:, start:stop] = prompt_mask != 0
     if state.attention_mask.dtype == torch.bool:

@@ -1,8 +1,10 @@
 """The `loop` engine: grpo_hf's decoding loop for CPUs (and any device), exact to `model.generate`.
 
-Each distinct prompt is prefilled once and its KV cache copied to the G rows of its group; the cache
-lives in preallocated tensors instead of growing by concatenation; finished rows leave the decoding
-batch when enough steps remain to pay for it; a token costs one uniform draw per row (inverse
+Each distinct prompt is prefilled once and its cache copied to the G rows of its group, for every kind of cache
+layer transformers builds (`cache_layers.REPEATABLE`: full attention, sliding-window and chunked attention, Gated
+DeltaNet, convolution and Mamba states); full-attention layers' keys and values live in preallocated tensors instead
+of growing by concatenation, the other layers are transformers' own; finished rows leave the decoding batch
+(`cache_layers.select_rows`) when enough steps remain to pay for it; a token costs one uniform draw per row (inverse
 transform sampling) instead of `torch.multinomial`'s one exponential per vocabulary entry. The logits
 go through the same `transformers` processors, in the same order, as in `model.generate`, so the
 sampled distribution is the configured one. On a GPU it is bound by kernel launches: use `cuda_graph`.
@@ -19,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grpo_hf.cache_layers import REPEATABLE, cache_layer_classes, select_rows
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import (
     cache_keyword,
@@ -40,7 +43,7 @@ class LoopEngine(RolloutEngine):
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
-        return unsupported_reason(model, generation_config)
+        return unsupported_reason(model, generation_config, layers=REPEATABLE)
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
         logps = None
@@ -105,23 +108,19 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
         return self.keys, self.values
 
-    def take_rows(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (any length: rows may repeat), in place."""
+    def reorder_cache(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (any length: rows may repeat), in place (`cache_layers.select_rows`)."""
         self._keys, self._values = self._keys.index_select(0, index), self._values.index_select(0, index)
         self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
 
 def _preallocated_cache(config, capacity: int) -> DynamicCache:
-    """A `DynamicCache` for `config` whose layers are `_PreallocatedLayer`s of `capacity` positions."""
+    """The `DynamicCache` `generate` makes for `config`, its full-attention layers (`DynamicLayer`) replaced by
+    `_PreallocatedLayer`s of `capacity` positions; the other kinds keep transformers' own layers (a sliding window
+    keeps at most window - 1 positions, a linear-attention layer states of fixed size)."""
     cache = DynamicCache(config=config)
-    cache.layers = [_PreallocatedLayer(capacity) for _ in cache.layers]
+    cache.layers = [_PreallocatedLayer(capacity) if type(x) is DynamicLayer else x for x in cache.layers]
     return cache
-
-
-def _take_cache_rows(cache, index: torch.Tensor) -> None:
-    """Keep rows `index` of every layer of `cache` (repeating rows where `index` repeats), in place."""
-    for layer in cache.layers:
-        layer.take_rows(index)
 
 
 # A finished row leaves the decoding batch (its cache rows are copied out) only if at least this many
@@ -183,7 +182,7 @@ def sample_groups(
             break
         if T - 1 - t >= _MIN_STEPS_TO_DROP_ROWS and bool(finished.any()):
             keep = torch.nonzero(~finished).flatten()  # [A']
-            _take_cache_rows(cache, keep)
+            select_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
             processors = logits_processors(generation_config, prompt_mask[rows])
         logits = _next_logits(
@@ -212,7 +211,7 @@ def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tenso
     if offsets is not None:
         next_position = next_position + offsets.to(next_position.device)[prompt_of_row]
     if logits.size(0) < prompt_ids.size(0):
-        _take_cache_rows(cache, prompt_of_row)
+        select_rows(cache, prompt_of_row)
         logits = logits[prompt_of_row]  # [N, V]
     return logits, next_position
 
@@ -262,19 +261,22 @@ def decode_turns(
     rows' random streams (`sampling.RowDraws`), and each row draws its uniforms from its own stream, so its tokens do
     not depend on which rows share the batch or when it joined; without one, each step draws from the global
     generator. The batch keeps only the columns its rows attend to: when rows leave, the leading columns that are
-    padding in every remaining row are dropped, from the cache too, so its width stays the longest live context. Call
-    it in eval mode.
+    padding in every remaining row are dropped, from the cache too, so its width stays the longest live context. A
+    cache with layers other than full attention (sliding windows, linear-attention states: `_joins_mid_decode`) takes
+    no rows while some are decoding: ready rows wait for the batch to finish, then start the next. Call it in eval
+    mode.
     """
     config = resolve_sampling_settings(model, generation_config)
     device = next(model.parameters()).device
     eos = torch.tensor(list(eos_token_ids), device=device)
     keyword, cache, rows = cache_keyword(model), None, None
+    joins = _joins_mid_decode(model.config)
     streams_of = getattr(source, "draws", None)  # keys -> the rows' own random streams (RowDraws); None: global
     draws = None  # RowDraws of the batch's rows, in order
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     while True:
-        ready = source.poll(block=rows is None)
+        ready = source.poll(block=rows is None) if rows is None or joins else []
         if ready:
             cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
             if streams_of is not None:
@@ -292,30 +294,41 @@ def decode_turns(
         tokens = sample_categorical(probs, uniform)  # [A]
         token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]
         positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
-        rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
-        rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
-        rows.sampled += 1
-        finished = torch.isin(tokens, eos) | (rows.sampled >= rows.budgets)  # [A]
-        for turn, logps, token, logp in zip(
-            rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True
-        ):
-            turn.append(token)
-            logps.append(logp)
-        done = finished.tolist()
-        for key, turn, logps, is_done in zip(rows.keys, rows.turns, rows.logps, done, strict=True):
-            if is_done:
-                source.turn_done(key, turn, logps)
-        if all(done):
+        finished = _append_tokens(rows, tokens, token_logps, eos, source)  # [A]
+        if bool(finished.all()):
             cache, rows, draws = None, None, None
             continue
-        if any(done):
+        if bool(finished.any()):
             keep = torch.nonzero(~finished).flatten()  # [A']
             rows, tokens, positions = _take(rows, keep), tokens[keep], positions[keep]
             draws = draws.take(keep) if draws is not None else None
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-            _drop_padding_columns(rows, cache)
+            select_rows(cache, keep)
+            if joins:
+                _drop_padding_columns(rows, cache)
         rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
+
+
+def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source) -> torch.Tensor:
+    """Append each row's new token [A] and its log-prob [A] to the batch's rows; each turn that ends (an EOS, or its
+    budget) goes to `source.turn_done`. Returns which rows ended [A] bool."""
+    rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
+    rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
+    rows.sampled += 1
+    finished = torch.isin(tokens, eos) | (rows.sampled >= rows.budgets)  # [A]
+    for turn, logps, token, logp in zip(rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True):
+        turn.append(token)
+        logps.append(logp)
+    for key, turn, logps, is_done in zip(rows.keys, rows.turns, rows.logps, finished.tolist(), strict=True):
+        if is_done:
+            source.turn_done(key, turn, logps)
+    return finished
+
+
+def _joins_mid_decode(config) -> bool:
+    """Whether rows can join `config`'s cache mid-decode (`_join`, `_drop_padding_columns`): full attention only,
+    whose keys and values pad and cut by column; a sliding window's or a linear-attention state's do not."""
+    classes = cache_layer_classes(config)
+    return classes is not None and all(cls is DynamicLayer for cls in classes)
 
 
 def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device) -> tuple[Any, _Decoding]:

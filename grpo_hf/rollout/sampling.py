@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -25,7 +24,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.cache_layers import cache_keyword
+from grpo_hf.cache_layers import cache_keyword, cache_layer_classes, layers_outside
 from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
 from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
@@ -53,13 +52,15 @@ _NEUTRAL_SETTINGS = frozenset(
 )
 
 
-def unsupported_reason(model, generation_config) -> str | None:
+def unsupported_reason(model, generation_config, *, layers: tuple[type, ...] = (DynamicLayer,)) -> str | None:
     """Why grpo_hf's own decoders (`loop`, `cuda_graph`) would not draw what `model.generate` draws, or None.
 
     They need sampling (`do_sample=True`), `max_new_tokens` and a pad token; neither the config nor the
     model's own `generation_config` (whose values `generate` uses where the config has none) may set
     anything but the sampling settings of `_SAMPLING_DEFAULTS` and the neutral ones; and the model must
-    be decoder-only with a KV cache of plain full-attention layers (no sliding window, no linear attention).
+    be decoder-only, with the `DynamicCache` that `generate` builds for it, every layer of which is one of the
+    cache layer classes `layers` that the engine serves (`cuda_graph`: full attention; `loop`:
+    `cache_layers.REPEATABLE`). The reason names the layers it does not serve, by class and index.
     """
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
@@ -76,12 +77,14 @@ def unsupported_reason(model, generation_config) -> str | None:
         extra = sorted(set(settings.to_diff_dict()) - allowed) if settings is not None else []
         if extra:
             return f"the {where} set {', '.join(extra)}, which only model.generate implements"
-    try:
-        cache = DynamicCache(config=config)
-    except Exception:  # a config the cache classes do not understand: leave it to `generate`
-        return f"transformers builds no plain KV cache for {type(config).__name__}"
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
-        return "the model has sliding-window or linear-attention layers"
+    supports_dynamic = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports_dynamic is not None and not supports_dynamic():
+        return f"{type(model).__name__} makes its own cache in model.generate, not a DynamicCache"
+    if cache_layer_classes(config) is None:  # a config the cache classes do not understand: leave it to `generate`
+        return f"transformers builds no DynamicCache for {type(config).__name__}"
+    odd = layers_outside(config, layers)
+    if odd is not None:
+        return f"the model's cache has layers this engine does not serve: {odd}"
     return None
 
 
