@@ -64,7 +64,14 @@ CONFIGS = {
     "vlm_frozen": dict(task="vlm", max_completion_length=64, frozen_vision=True),
     # a Llama from a config (64M parameters; --tiny: 2 layers of 32), one group of 4 completions of 16 tokens
     "llama": dict(task="llama", prompts=1, num_generations=4, max_completion_length=16),
+    # a's task with a random fp32 model of SmolLM2-135M's size in a family's shape (`family_config`), its tokenizer
+    **{f"fam-{family}": dict(task="gsm8k", family=family) for family in ("qwen3", "qwen3_5", "gemma3", "qwen3_moe")},
 }
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)  # fmt: skip
+SMOLLM2_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)  # fmt: skip
+SLIDING_WINDOW = 64  # Gemma 3's: under a's prompt plus its 128 completion tokens (--tiny: 4, under 8)
 TOOL_SECONDS = 0.2
 HOST_LAUNCHES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cuGraphLaunch")  # host-side launch calls
 
@@ -76,7 +83,56 @@ def settings(config: str, tiny: bool) -> dict:
     if tiny:
         s.update(num_generations=2, max_completion_length=max(s["max_completion_length"] // 16, 4))
         s["shape"] = "tiny" if s["task"] in ("gsm8k", "random", "tools") else None
+    if s.get("family"):  # a family's random model; --tiny: 6 layers of 64
+        s["shape"] = s["family"] + "-tiny" * tiny
     return s
+
+
+def family_config(shape: str, vocab_size: int, token_ids: dict):
+    """The config of a `fam-*` config's shape ("qwen3", "qwen3_5", "gemma3", "qwen3_moe"; "-tiny": 6 layers of 64):
+    SmolLM2-135M's widths, depth, heads and tied embeddings (about 135M parameters) in the family's layer pattern."""
+    import transformers
+
+    family, tiny = shape.removesuffix("-tiny"), shape.endswith("-tiny")
+    dims = {**SMOLLM2, **(SMOLLM2_TINY if tiny else {})}
+    common = dict(vocab_size=vocab_size, rms_norm_eps=1e-5, **dims, **token_ids)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "qwen3_5":  # Gated DeltaNet layers and one full-attention layer in 4, the config's own pattern
+        width = dims["head_dim"]  # 3 key heads, 6 value heads
+        linear = dict(linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=width)
+        linear["linear_value_head_dim"] = width
+        return transformers.Qwen3_5TextConfig(**common, **linear)
+    if family == "gemma3":  # five sliding-window layers to one global one, the config's own pattern
+        window = SLIDING_WINDOW // 16 if tiny else SLIDING_WINDOW
+        return transformers.Gemma3TextConfig(**common, sliding_window=window, query_pre_attn_scalar=dims["head_dim"])
+    if family == "qwen3_moe":  # 8 experts of 1/8 the width, 2 per token; the router's auxiliary loss on
+        experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=dims["intermediate_size"] // 8)
+        # Both trainers ask for the router logits in their training forward when the coefficient is not 0; the
+        # config's `output_router_logits=True` would also ask for them in generation, where transformers 5.24's
+        # Qwen3-MoE fails (the load-balancing loss of a cached decode step: mask [N, P+t] against one token's routing)
+        return transformers.Qwen3MoeConfig(**common, **experts, output_router_logits=False, router_aux_loss_coef=0.001)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def prepare_family(shape: str, directory: str, device: str, seed: int = 0) -> dict:
+    """Save SmolLM2's tokenizer (config a's) and a random fp32 model of `family_config(shape)` to `directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from offline_model import offline_model_path  # recipes/offline_model.py
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_model_path())
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = family_config(shape, len(tokenizer), ids)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.update(**ids)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return {"status": "ok", "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}
 
 
 def _checkpointing_field() -> str:
@@ -96,6 +152,7 @@ def common_config(s: dict, steps: int, seed: int, bf16: bool, use_cpu: bool, out
         max_completion_length=s["max_completion_length"], shuffle_dataset=True,
         # objective
         beta=s["beta"], num_iterations=s["num_iterations"], loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+        router_aux_loss_coef=None,  # an MoE model's own coefficient (fam-qwen3_moe: 0.001), in both trainers
         scale_rewards="group", importance_sampling_level="token", mask_truncated_completions=False,
         # sampling
         temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, generation_kwargs=None,
@@ -127,7 +184,9 @@ GRPO_HF_ONLY = dict(max_prompt_length=None)
 
 def prepare(shape: str, directory: str, device: str, seed: int = 0, layers: int | None = None) -> dict:
     """Save a tokenizer and a Qwen2 model of `shape` (`layers` of them, if given) with random bf16 weights to
-    `directory`; describe them."""
+    `directory`; describe them (a `fam-*` shape: `prepare_family`)."""
+    if shape not in SHAPES:
+        return prepare_family(shape, directory, device, seed)
     import torch
     from conftest import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -413,7 +472,7 @@ def instrument(impl: str, record: dict, meter: GenerationMeter, engine_attrs: di
     GRPOTrainer.training_step = meter.phase("training_step", GRPOTrainer.training_step)
     for key, value in engine_attrs.items():
         setattr(CUDAGraphEngine, key, value)
-    for name in ("grpo_hf.experience", "grpo_hf.rollout", "grpo_hf.forward_plan"):
+    for name in ("grpo_hf.experience", "grpo_hf.rollout", "grpo_hf.forward_plan", "grpo_hf.callbacks"):
         logging.getLogger(name).setLevel(logging.INFO)
         logging.getLogger(name).addHandler(_Lines(record["engine_log"]))
 
