@@ -63,6 +63,7 @@ bench: install
 	$(PY) benchmarks/vs_trl.py
 	$(PY) benchmarks/vs_trl.py --configs vlm,vlm_frozen --reps 3 --rollouts 6
 	$(PY) benchmarks/vs_trl.py --configs tools --reps 1 --rollouts 4
+	$(PY) benchmarks/vs_trl.py --configs fam-qwen3,fam-qwen3_5,fam-gemma3,fam-qwen3_moe --reps 2 --rollouts 3
 	$(PY) benchmarks/multi_process.py
 	$(PY) benchmarks/async_overlap.py --steps 10
 

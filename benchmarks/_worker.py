@@ -16,7 +16,8 @@ and host-side `launches` (a CUDA graph replay is one) for its `replay_decode_ste
 ends in "error", so that a lost graph cannot pass for a slow engine.
 
 `--prepare DIR` saves a config's random model (`SHAPES`, bf16) and its tokenizer (`build_tiny_tokenizer` of
-`tests/conftest.py`, padded to the vocabulary) to DIR, for all runs to load.
+`tests/conftest.py`, padded to the vocabulary) to DIR, for all runs to load; for a `fam-*` config, a random fp32 model
+of `family_config` and SmolLM2's tokenizer (`prepare_family`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,12 @@ explicitly (`_worker.common_config`: 2 prompts x G=8 per step unless a config sa
 "grpo", lr 1e-6). Configs (`_worker.CONFIGS`): a, b, c: SmolLM2-135M-Instruct (offline; fp32, bf16 autocast on CUDA)
 on the built-in arithmetic problems, 128 tokens (a: beta=0.04; b: a with num_iterations=2; c: beta=0); J1-J4: Qwen2
 models in Qwen2.5 shapes with random bf16 weights (no hub; every completion runs to the length limit, the worst case
-for decoding); tools: SmolLM2 with half the completions calling a tool that sleeps 0.2 s; vlm, vlm_frozen: a
-Qwen2-VL-shaped model from a config, one image per prompt (vlm_frozen: the vision tower frozen for both).
+for decoding); fam-qwen3, fam-qwen3_5, fam-gemma3, fam-qwen3_moe: a with a random fp32 model of SmolLM2-135M's size
+(widths, 30 layers, tied embeddings, its tokenizer) in a family's shape: dense Qwen3 (the control), Qwen3.5 text
+(Gated DeltaNet and full attention), Gemma 3 text (a sliding window of 64 tokens) and Qwen3-MoE (8 experts, the
+router's auxiliary loss on, coefficient 0.001), each a row of a family table below the main one; tools: SmolLM2
+with half the completions calling a tool that sleeps 0.2 s; vlm, vlm_frozen: a Qwen2-VL-shaped model from a config,
+one image per prompt (vlm_frozen: the vision tower frozen for both).
 
 A run makes `--rollouts` generation rounds (rounds x num_iterations optimizer steps), the first untimed. Per config and
 trainer the table gives the median seconds per optimizer step over the timed rounds, the first step's (compiling
@@ -19,6 +23,7 @@ run whose decode did not replay a CUDA graph fails, so that a lost graph cannot 
     python benchmarks/vs_trl.py                           # CPU: configs a,b,c, 2 reps x 3 rollouts
     python benchmarks/vs_trl.py --configs a --ablate '{"share_prompt_prefix": false}'   # grpo_hf against itself
     python benchmarks/vs_trl.py --configs tools --reps 1 --rollouts 4
+    python benchmarks/vs_trl.py --configs fam-qwen3,fam-qwen3_5,fam-gemma3,fam-qwen3_moe --reps 2 --rollouts 3
     python benchmarks/vs_trl.py --device cuda             # J1-J4, 1 rep x 4 rollouts
     python benchmarks/vs_trl.py --device cuda --configs J1 --trainers trl,grpo_hf,ablated \\
         --ablate '{"fp32_master_weights": false}'         # also grpo_hf without fp32 master weights, like TRL
@@ -122,7 +127,8 @@ def columns(cuda: bool) -> list[tuple[str, str, str, str]]:
 
 
 def num(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
+    """`value` formatted ("x" after the format: a ratio, "1.50x"); "n/a" for None."""
+    return "n/a" if value is None else format(value, fmt.removesuffix("x")) + "x" * fmt.endswith("x")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -154,12 +160,30 @@ def table(summaries: dict, labels: list[str], cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def family_table(summaries: dict, labels: list[str], cuda: bool) -> str:
+    """One row per `fam-*` config: each trainer's s/step and peak memory (CUDA GiB on a GPU, else RSS MiB), the first
+    trainer's s/step over the second's (speed) and the second's peak over the first's (memory)."""
+    first, second = labels[:2]
+    unit, key, fmt = ("peak GiB", "cuda_gib", ".2f") if cuda else ("peak MiB", "rss_mib", ",.0f")
+    lines = [f"| family | {first} s/step | {second} s/step | speed vs {first} | {first} {unit} | {second} {unit} | "
+             f"memory vs {first} |", "|---|" + "---:|" * 6]  # fmt: skip
+    for config, by_label in summaries.items():
+        if config.startswith("fam-"):
+            a, b = by_label[first], by_label[second]
+            speed, memory = ratio(a.get("s_per_step"), b.get("s_per_step")), ratio(b.get(key), a.get(key))
+            cells = [num(a.get("s_per_step"), ".2f"), num(b.get("s_per_step"), ".2f"), num(speed, ".2fx")]
+            cells += [num(a.get(key), fmt), num(b.get(key), fmt), num(memory, ".2fx")]
+            lines.append(f"| {config.removeprefix('fam-')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def progress(run: dict) -> str:
     if run["status"] != "ok":
         return f"{run['status'].upper()} {run.get('error', '')}"
     memory = f"peak CUDA {run['peak_cuda_mib']:,.0f} MiB" if run.get("peak_cuda_mib") else ""
+    shared = ", shared prompt" if run.get("fast_path") else ""  # grpo_hf's shared-prompt training forward allowed
     return (
-        f"[{run['engine']}] step seconds {' '.join(f'{s:.2f}' for s in run['step_seconds'])}, peak RSS "
+        f"[{run['engine']}{shared}] step seconds {' '.join(f'{s:.2f}' for s in run['step_seconds'])}, peak RSS "
         f"{run['peak_rss_mib']:,.0f} MiB {memory}, rewards {[round(r, 3) for r in run['rewards']]}"
         + (f", tool calls {run['tool_calls']}" if run["tool_calls"] else "")
     )
@@ -183,6 +207,17 @@ def worker_options(args, impl: str, config: str, steps: int, seed: int, fields: 
     return (
         options + ["--bf16"] * (args.bf16 or args.device == "cuda") + (["--model-dir", model_dir] if model_dir else [])
     )
+
+
+def print_tables(summaries: dict, runs: dict, labels: list[str], cuda: bool) -> None:
+    """The table, the family table (`fam-*` configs), and the last trainer's engine log of each config's first run."""
+    print(f"\n{table(summaries, labels, cuda)}\n")
+    if len(labels) > 1 and any(config.startswith("fam-") for config in summaries):
+        print(f"{family_table(summaries, labels, cuda)}\n")
+    for config in summaries:
+        for run in runs[config][labels[-1]][:1]:
+            if run.get("engine_log"):
+                print(f"{labels[-1]}'s engine log, {config}:\n  " + "\n  ".join(run["engine_log"]))
 
 
 def main() -> None:
@@ -232,11 +267,7 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     iterations = {c: _worker.settings(c, args.tiny)["num_iterations"] for c in configs}
     summaries = {c: {label: summarise(runs[c][label], iterations[c]) for label in labels} for c in configs}
-    print(f"\n{table(summaries, labels, cuda)}\n")
-    for config in configs:
-        for run in runs[config][labels[-1]][:1]:
-            if run.get("engine_log"):
-                print(f"{labels[-1]}'s engine log, {config}:\n  " + "\n  ".join(run["engine_log"]))
+    print_tables(summaries, runs, labels, cuda)
     print(f"(total wall time {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "summaries": summaries}, indent=1))

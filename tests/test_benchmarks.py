@@ -66,6 +66,38 @@ def test_the_summary_times_whole_rounds_after_the_first_and_compares_to_the_firs
     assert vs_trl.summarise([{**run, "status": "oom"}], 2) == {"status": "OOM"}
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3", "qwen3_moe"])
+def test_each_family_model_is_about_smollm2_135m_in_its_own_shape(family):
+    """Built on the meta device (no memory, no weights): within 20% of SmolLM2-135M's parameters, tied embeddings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _worker.family_config(family, 49_152, dict(bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = dict(qwen3="Qwen3", qwen3_5="Qwen3_5", gemma3="Gemma3", qwen3_moe="Qwen3Moe")
+    assert type(model).__name__ == f"{names[family]}ForCausalLM" and model.config.tie_word_embeddings
+    assert abs(sum(p.numel() for p in model.parameters()) / 135e6 - 1) < 0.2
+    layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    expected = {"qwen3_5": {"linear_attention", "full_attention"}, "gemma3": {"sliding_attention", "full_attention"}}
+    assert layers == expected.get(family, {"full_attention"})
+    assert getattr(config, "sliding_window", None) == (_worker.SLIDING_WINDOW if family == "gemma3" else None)
+    if family == "qwen3_moe":  # both trainers ask for the router logits in training, and pay for the loss
+        assert config.router_aux_loss_coef > 0 and not config.output_router_logits  # not in generation
+
+
+def test_the_family_table_gives_each_family_the_speed_and_memory_ratios():
+    trl, ours = {"s_per_step": 3.0, "rss_mib": 1000.0}, {"s_per_step": 2.0, "rss_mib": 500.0}
+    summaries = {"a": {"TRL": trl, "grpo_hf": ours}, "fam-gemma3": {"TRL": trl, "grpo_hf": {"status": "error"}}}
+    summaries["fam-qwen3"] = {"TRL": trl, "grpo_hf": ours}
+    rows = vs_trl.family_table(summaries, ["TRL", "grpo_hf"], cuda=False).splitlines()
+    assert rows[0].startswith("| family | TRL s/step | grpo_hf s/step | speed vs TRL | TRL peak MiB |")
+    assert rows[2:] == [
+        "| gemma3 | 3.00 | n/a | n/a | 1,000 | n/a | n/a |",
+        "| qwen3 | 3.00 | 2.00 | 1.50x | 1,000 | 500 | 0.50x |",
+    ]
+
+
 def test_a_lost_cuda_graph_is_named_so_that_it_cannot_pass_for_a_slow_engine():
     replayed = {"compile": {"cudagraph_skips": 0}, "engine_log": [], "replay_decode_steps": 256, "graph_launches": 255}
     assert _worker.lost_graph(replayed) is None  # the first token is eager
