@@ -193,6 +193,16 @@ def test_cited_paths_names_and_commands_exist(document):
 BENCHMARK_COMMAND = re.compile(r"benchmarks/(\w+\.(?:py|sh))([^#`|]*)")
 
 
+def _benchmark_configs() -> list[str]:
+    """The config names `benchmarks/_worker.py` defines (`CONFIGS`, some built by a comprehension)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_worker", ROOT / "benchmarks" / "_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.CONFIGS)
+
+
 @pytest.mark.parametrize(
     "document", [*DOCUMENTS, ROOT / "Makefile", ROOT / "benchmarks" / "gpu_first_run.sh"], ids=_name
 )
@@ -201,7 +211,7 @@ def test_cited_benchmark_commands_take_their_flags_and_configs(document):
     that each quoted figure names a command that still runs."""
     text = _read(document).replace("\\\n", " ")  # shell continuation lines
     pieces = [line for block in (_code(text) if document.suffix == ".md" else [text]) for line in block.splitlines()]
-    configs = set(re.findall(r'^    "(\w+)": dict\(task=', _read(ROOT / "benchmarks" / "_worker.py"), re.M))
+    configs = set(_benchmark_configs())
     for piece in pieces:
         for script, rest in BENCHMARK_COMMAND.findall(piece):
             source = _read(ROOT / "benchmarks" / script)
@@ -210,7 +220,7 @@ def test_cited_benchmark_commands_take_their_flags_and_configs(document):
                     f"{_name(document)} runs benchmarks/{script} {flag}, which it does not take"
                 )
             for names in (
-                re.findall(r"--configs? ([\w,]+)", rest)
+                re.findall(r"--configs? ([\w,-]+)", rest)
                 if script == "vs_trl.py" or script == "profile_step.py"
                 else []
             ):
