@@ -401,6 +401,16 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "`grpo_hf.rollout.register_engine`."
         },
     )
+    episode_cache_gb: float = field(
+        default=4.0,
+        metadata={
+            "help": "Tool episodes on the 'loop' engine: GiB of device memory for the KV caches episodes keep while "
+            "their tools run, so that a turn that comes back prefills only the tool reply (the batch's shared prefix, "
+            "e.g. the tool schemas, is prefilled once and counted here too). An episode whose cache does not fit "
+            "re-prefills its whole context (counted by the tools/cache_evictions metric). 0: keep nothing. "
+            "Full-attention models only (docs/rollout.md)."
+        },
+    )
     use_model_generate: bool = field(
         default=False,
         metadata={"help": "TRL's switch for rollout_engine='generate'."},
@@ -654,6 +664,10 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
+        if not self.episode_cache_gb >= 0:
+            raise ValueError(
+                f"episode_cache_gb={self.episode_cache_gb} must be >= 0 GiB (0: keep no episode's cache)."
+            )
         self._resolve_engine_aliases()
         self.check_vllm()  # use_vllm=True: rollout_engine="vllm"
         from grpo_hf.rollout.engine import ENGINES  # the engine registry (rollout imports nothing of the config)

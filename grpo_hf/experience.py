@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 _GLOBAL = ("all_rewards", "combined_rewards")
 
 
+# `EpisodeCache.stats` entries summed over processes by `_record_tools`, in this order
+_CACHE_COUNTS = ("prefill_tokens", "reused_tokens", "evictions", "kept", "hits")
+
+
 @dataclass
 class Produced:
     """This process's rows of one round, sampled and scored (`ExperienceMaker.produce`), before anything collective:
@@ -389,16 +393,26 @@ class ExperienceMaker:
     def _record_tools(self, metrics, sampled: Sampled) -> None:
         """With tools, per tool of the run: `tools/<name>/calls`, `/failures`, `/timeouts` (summed over the processes'
         episodes) and `/latency_mean` (seconds per call that ran to its end; logged once one has), and
-        `tools/turns_mean` (the model's turns per episode)."""
+        `tools/turns_mean` (the model's turns per episode). With the `loop` engine's episode cache: the tokens
+        prefilled and those taken from kept caches per episode (`tools/prefill_tokens_mean`,
+        `tools/reused_tokens_mean`), and the episodes whose cache did not fit the budget (`tools/cache_evictions`,
+        and per episode that waited for tools, `tools/cache_eviction_rate`)."""
         if sampled.tool_stats is None:
             return
         names = list(sampled.tool_stats)  # every tool of the run, in the same order on every process
         rows = [[s.calls, s.failures, s.timeouts, s.returned, s.seconds] for s in sampled.tool_stats.values()]
         rows.append([sum(sampled.turns), len(sampled.turns), 0, 0, 0])
-        stats = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)  # [tools + 1, 5]
+        cache = sampled.episode_cache
+        rows.append([cache[k] for k in _CACHE_COUNTS] if cache is not None else [0] * len(_CACHE_COUNTS))
+        stats = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)  # [tools + 2, 5]
         if self.accelerator.num_processes > 1:
             stats = self.accelerator.reduce(stats, "sum")
-        *per_tool, (turns, episodes, *_) = stats.tolist()
+        *per_tool, (turns, episodes, *_), (prefill, reused, evictions, kept, _) = stats.tolist()
+        if cache is not None:  # the same engine on every process
+            metrics["tools/prefill_tokens_mean"].append(prefill / episodes)
+            metrics["tools/reused_tokens_mean"].append(reused / episodes)
+            metrics["tools/cache_evictions"].append(evictions)
+            metrics["tools/cache_eviction_rate"].append(evictions / (kept + evictions) if kept + evictions else 0.0)
         for name, (calls, failures, timeouts, returned, seconds) in zip(names, per_tool, strict=True):
             metrics[f"tools/{name}/calls"].append(calls)
             metrics[f"tools/{name}/failures"].append(failures)

@@ -379,9 +379,13 @@ class _Turns:
         """The random streams of the episodes `keys` (as `poll` gave them), each at its episode's next draw."""
         return self.runner.draws(self.seed, [self.episodes[k] for k in keys])
 
-    def turn_done(self, k: int, turn: list[int], logps: list[float]) -> None:
+    def turn_done(self, k: int, turn: list[int], logps: list[float]) -> bool:
+        """Take episode k's turn; True when it called tools (it comes back for another turn unless its reply is
+        rolled back), so that the decoder keeps its cache."""
         if self.runner.end_turn(self.episodes[k], turn, logps):
             self.in_flight.append(k)
+            return True
+        return False
 
     def _collect(self) -> None:
         calling = [self.episodes[k] for k in self.in_flight]

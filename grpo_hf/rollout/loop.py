@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.cache_layers import REPEATABLE, cache_layer_classes, select_rows
 from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.rollout.episode_cache import DEFAULT_BUDGET_GB, EpisodeCache, cache_entry, row_entry
 from grpo_hf.rollout.sampling import (
     cache_keyword,
     logits_processors,
@@ -40,6 +40,18 @@ class LoopEngine(RolloutEngine):
     name = "loop"
     takes_images = True
     can_record_logps = True
+    options = ("args", "episode_cache_bytes")
+
+    def __init__(self, generation_config, eos_token_ids: Sequence[int], args=None, episode_cache_bytes=None):
+        """`episode_cache_bytes`: the budget of the KV caches tool episodes keep between turns (`decode_turns`; 0:
+        none, every turn prefills its whole context); None: `args.episode_cache_gb` (a `GRPOConfig`), else
+        `episode_cache.DEFAULT_BUDGET_GB`."""
+        super().__init__(generation_config, eos_token_ids)
+        if episode_cache_bytes is None:
+            gb = getattr(args, "episode_cache_gb", DEFAULT_BUDGET_GB)
+            episode_cache_bytes = int(gb * 2**30)
+        self.episode_cache_bytes = episode_cache_bytes
+        self.episode_cache: EpisodeCache | None = None  # the last `decode_turns` call's (its `stats`), if any
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
@@ -68,9 +80,15 @@ class LoopEngine(RolloutEngine):
         """Tool episodes' turns, each joining the batch at the next token step (`decode_turns`), in eval mode."""
         was_training = model.training
         model.eval()
+        self.episode_cache = EpisodeCache(self.episode_cache_bytes) if self.episode_cache_bytes > 0 else None
         try:
             decode_turns(
-                model, source, self.generation_config, self.eos_token_ids, blocked_token_ids=self.blocked_token_ids
+                model,
+                source,
+                self.generation_config,
+                self.eos_token_ids,
+                blocked_token_ids=self.blocked_token_ids,
+                episode_cache=self.episode_cache,
             )
         finally:
             model.train(was_training)
@@ -248,69 +266,107 @@ class _Decoding:
 
 @torch.no_grad()
 def decode_turns(
-    model, source, generation_config, eos_token_ids: Sequence[int], blocked_token_ids: Sequence[int] = ()
+    model,
+    source,
+    generation_config,
+    eos_token_ids: Sequence[int],
+    blocked_token_ids: Sequence[int] = (),
+    episode_cache: EpisodeCache | None = None,
 ) -> None:
     """Sample turns as `source` hands them out, each row joining the decoding batch at the next token step.
 
     `source.poll(block)` gives the rows ready to sample a turn, as `(key, context ids, max new tokens)`; with
     `block=True` (nothing left to decode) it waits until some are, and `[]` then means there are no more.
     `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
-    the log-probs of its tokens under the sampling distribution; the row leaves the batch. The draw at each step is
-    the `loop` engine's (the same processors as `model.generate`); a joining row's context is prefilled once;
-    `blocked_token_ids` (a VLM's image tokens) are never drawn. A source with a `draws(keys)` method gives the joining
-    rows' random streams (`sampling.RowDraws`), and each row draws its uniforms from its own stream, so its tokens do
-    not depend on which rows share the batch or when it joined; without one, each step draws from the global
-    generator. The batch keeps only the columns its rows attend to: when rows leave, the leading columns that are
-    padding in every remaining row are dropped, from the cache too, so its width stays the longest live context. A
-    cache with layers other than full attention (sliding windows, linear-attention states: `_joins_mid_decode`) takes
-    no rows while some are decoding: ready rows wait for the batch to finish, then start the next. Call it in eval
+    the log-probs of its tokens under the sampling distribution, and returns whether the episode comes back for another
+    turn (a source that returns None is taken to); the row leaves the batch. The draw at each step is the `loop`
+    engine's (the same processors as `model.generate`; `do_sample=False`: the most likely token); `blocked_token_ids`
+    (a VLM's image tokens) are never drawn. A source with a `draws(keys)` method gives the joining rows' random streams
+    (`sampling.RowDraws`), and each row draws its uniforms from its own stream, so its tokens do not depend on which
+    rows share the batch or when it joined; without one, each step draws from the global generator.
+
+    Without `episode_cache`, a joining row's whole context is prefilled, right-aligned to the batch's width. With one
+    (`episode_cache.EpisodeCache`), a row whose turn ends keeps its keys and values until it rejoins, the batch's
+    shared prefix is prefilled once, identical contexts once, and a joining row prefills only what follows its base
+    (`_prefill_on_bases`). The batch keeps only the columns its rows attend to: when rows leave, the leading columns
+    that are padding in every remaining row are dropped, from the cache too. A cache with layers other than full
+    attention (sliding windows, linear-attention states: `_joins_mid_decode`) takes no rows while some are decoding
+    (ready rows wait for the batch to finish, then start the next) and keeps nothing between turns. Call it in eval
     mode.
     """
+    try:
+        _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache)
+    finally:
+        if episode_cache is not None:
+            episode_cache.clear()
+
+
+def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache) -> None:
+    """`decode_turns`' loop: join the ready rows, draw a token per row, let the finished turns go, run a step."""
     config = resolve_sampling_settings(model, generation_config)
     device = next(model.parameters()).device
-    eos = torch.tensor(list(eos_token_ids), device=device)
-    keyword, cache, rows = cache_keyword(model), None, None
     joins = _joins_mid_decode(model.config)
+    step = _Step(config, device, eos_token_ids, blocked_token_ids)
+    store = episode_cache if joins else None
+    keyword, cache, rows = cache_keyword(model), None, None
     streams_of = getattr(source, "draws", None)  # keys -> the rows' own random streams (RowDraws); None: global
-    draws = None  # RowDraws of the batch's rows, in order
-    uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
-    blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
     while True:
         ready = source.poll(block=rows is None) if rows is None or joins else []
         if ready:
-            cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device)
+            cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device, store)
             if streams_of is not None:
                 joined = streams_of([turn[0] for turn in ready]).to(device)
-                draws = joined if draws is None else draws.cat(joined)
+                step.draws = joined if step.draws is None else step.draws.cat(joined)
         if rows is None:
             return
-        logits = rows.logits.index_fill(1, blocked, float("-inf")) if blocked.numel() else rows.logits  # [A, V]
-        scores = logits_processors(config, rows.mask)(rows.tokens, logits)  # [A, V]
-        probs = torch.softmax(scores, dim=-1)
-        if draws is not None:
-            uniform = draws.uniform(uniform_dtype)  # [A, 1]
-        else:
-            uniform = torch.rand((probs.size(0), 1), dtype=uniform_dtype, device=device)  # [A, 1]
-        tokens = sample_categorical(probs, uniform)  # [A]
-        token_logps = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [A]
+        tokens, token_logps = step.sample(rows)  # [A], [A]
         positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
-        finished = _append_tokens(rows, tokens, token_logps, eos, source)  # [A]
+        finished = _append_tokens(rows, tokens, token_logps, step.eos, source, cache, store)  # [A]
         if bool(finished.all()):
-            cache, rows, draws = None, None, None
+            cache, rows, step.draws = None, None, None
             continue
         if bool(finished.any()):
             keep = torch.nonzero(~finished).flatten()  # [A']
             rows, tokens, positions = _take(rows, keep), tokens[keep], positions[keep]
-            draws = draws.take(keep) if draws is not None else None
+            step.draws = step.draws.take(keep) if step.draws is not None else None
             select_rows(cache, keep)
             if joins:
                 _drop_padding_columns(rows, cache)
         rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
 
 
-def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source) -> torch.Tensor:
+class _Step:
+    """One token step of `decode_turns`: the processors, the draw (each row's stream, or the global generator; the
+    argmax when not sampling) and each token's log-prob under the distribution it was drawn from."""
+
+    def __init__(self, config, device, eos_token_ids: Sequence[int], blocked_token_ids: Sequence[int]):
+        self.config, self.device = config, device
+        self.eos = torch.tensor(list(eos_token_ids), device=device)
+        self.blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
+        self.uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
+        self.draws = None  # RowDraws of the batch's rows, in order
+
+    def sample(self, rows: _Decoding) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = rows.logits
+        if self.blocked.numel():
+            logits = logits.index_fill(1, self.blocked, float("-inf"))  # [A, V]
+        sampling = bool(self.config.do_sample)
+        scores = logits_processors(self.config, rows.mask, sampling=sampling)(rows.tokens, logits)  # [A, V]
+        if not sampling:
+            tokens = scores.argmax(dim=-1)  # [A]
+        else:
+            if self.draws is not None:
+                uniform = self.draws.uniform(self.uniform_dtype)  # [A, 1]
+            else:
+                uniform = torch.rand((scores.size(0), 1), dtype=self.uniform_dtype, device=self.device)  # [A, 1]
+            tokens = sample_categorical(torch.softmax(scores, dim=-1), uniform)  # [A]
+        return tokens, torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source, cache, store) -> torch.Tensor:
     """Append each row's new token [A] and its log-prob [A] to the batch's rows; each turn that ends (an EOS, or its
-    budget) goes to `source.turn_done`. Returns which rows ended [A] bool."""
+    budget) goes to `source.turn_done`, and with an episode cache (`store`) the row's keys and values are kept for
+    its next turn (unless the source says the episode is over). Returns which rows ended [A] bool."""
     rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
     rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
     rows.sampled += 1
@@ -318,9 +374,11 @@ def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source) -> torch.T
     for turn, logps, token, logp in zip(rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True):
         turn.append(token)
         logps.append(logp)
-    for key, turn, logps, is_done in zip(rows.keys, rows.turns, rows.logps, finished.tolist(), strict=True):
-        if is_done:
-            source.turn_done(key, turn, logps)
+    for row, (key, turn, logps, is_done) in enumerate(
+        zip(rows.keys, rows.turns, rows.logps, finished.tolist(), strict=True)
+    ):
+        if is_done and source.turn_done(key, turn, logps) is not False and store is not None:
+            store.keep(key, row_entry(cache, rows.tokens, rows.mask, row))
     return finished
 
 
@@ -331,30 +389,17 @@ def _joins_mid_decode(config) -> bool:
     return classes is not None and all(cls is DynamicLayer for cls in classes)
 
 
-def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device) -> tuple[Any, _Decoding]:
-    """Prefill the contexts of `ready` and add them to the batch: every row right-aligned to the longest context or
-    the batch's current length, whichever is longer (the batch's rows and cache padded on the left if needed)."""
+def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device, store=None):
+    """Prefill the turns of `ready` and add them to the batch (`rows` and its `cache`; None: a new batch): with an
+    episode cache (`store`), each on its base (`_prefill_on_bases`), else each whole context, right-aligned to the
+    batch's width (`_prefill_contexts`). The narrower of the batch and the joining rows is padded on the left.
+    Returns the batch's cache and rows."""
     keys, contexts, budgets = zip(*ready, strict=True)
-    width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, context in enumerate(contexts):
-        ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long, device=device)
-        mask[i, width - len(context) :] = 1
-    fresh = DynamicCache(config=model.config)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [k, width] as `generate` numbers them
-    logits = (
-        model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{keyword: fresh},
-        )
-        .logits[:, -1]
-        .float()
-    )  # [k, V]
+    if store is not None:
+        fresh, ids, mask, logits = _prefill_on_bases(model, keys, contexts, store, keyword, device)
+    else:
+        width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
+        fresh, ids, mask, logits = _prefill_contexts(model, contexts, width, pad, keyword, device)
     new = _Decoding(
         keys=list(keys),
         tokens=ids,
@@ -367,12 +412,10 @@ def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, d
     )
     if rows is None:
         return fresh, new
-    missing = width - rows.tokens.size(1)  # the batch's rows, padded on the left to the new width
-    rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
-    rows.mask = nn.functional.pad(rows.mask, (missing, 0))
+    _pad_left(rows, cache, new.tokens.size(1), pad)
+    _pad_left(new, fresh, rows.tokens.size(1), pad)
     for layer, joined in zip(cache.layers, fresh.layers, strict=True):
-        old_keys, old_values = (nn.functional.pad(x, (0, 0, missing, 0)) for x in (layer.keys, layer.values))
-        layer.keys, layer.values = torch.cat([old_keys, joined.keys]), torch.cat([old_values, joined.values])
+        layer.keys, layer.values = torch.cat([layer.keys, joined.keys]), torch.cat([layer.values, joined.values])
     merged = _Decoding(
         keys=rows.keys + new.keys,
         tokens=torch.cat([rows.tokens, new.tokens]),
@@ -384,6 +427,114 @@ def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, d
         logits=torch.cat([rows.logits, new.logits]),
     )
     return cache, merged
+
+
+def _pad_left(rows: _Decoding, cache, width: int, pad: int) -> None:
+    """Pad the rows' tokens, mask and cache on the left to `width` columns (masked), in place, if narrower."""
+    missing = width - rows.tokens.size(1)
+    if missing <= 0:
+        return
+    rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
+    rows.mask = nn.functional.pad(rows.mask, (missing, 0))
+    for layer in cache.layers:
+        layer.keys, layer.values = (nn.functional.pad(x, (0, 0, missing, 0)) for x in (layer.keys, layer.values))
+
+
+def _prefill_contexts(model, contexts, width: int, pad: int, keyword: str, device):
+    """Each of `contexts` prefilled whole, right-aligned to `width` columns: (cache, ids [k, width], mask [k, width],
+    fp32 logits of the next token [k, V])."""
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, context in enumerate(contexts):
+        ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long, device=device)
+        mask[i, width - len(context) :] = 1
+    fresh = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [k, width] as `generate` numbers them
+    logits = _forward_last(model, ids, mask, positions, fresh, keyword)
+    return fresh, ids, mask, logits
+
+
+def _forward_last(model, ids, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
+    """fp32 logits [k, V] of the next token after `ids` [k, s] (on top of `cache`, extended in place)."""
+    output = model(
+        input_ids=ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{keyword: cache},
+    )
+    return output.logits[:, -1].float()
+
+
+def _prefill_on_bases(model, keys, contexts, store: EpisodeCache, keyword: str, device):
+    """The joining rows prefilled on their bases (`EpisodeCache.base`: the episode's kept keys and values, the shared
+    prefix, or nothing), each distinct (base, rest of context) once: (cache, ids [k, W], mask [k, W], fp32 logits
+    [k, V]). Row u's W = Wb + S columns are its base right-aligned in the first Wb (the widest base), then the rest
+    right-aligned in the last S (the longest rest); the gap between is masked, and filled with the row's first token so
+    that the repetition penalty, which reads every token after the left padding, sees the tokens it would."""
+    if not store.prefix_chosen:
+        _set_shared_prefix(model, contexts, store, keyword, device)
+    bases = [store.base(key, context) for key, context in zip(keys, contexts, strict=True)]
+    signature = [(id(b), tuple(c[len(b.tokens) if b else 0 :])) for b, c in zip(bases, contexts, strict=True)]
+    first = {s: i for i, s in reversed(list(enumerate(signature)))}  # each distinct row's first occurrence
+    distinct = sorted(first.values())
+    index = torch.tensor([distinct.index(first[s]) for s in signature], device=device)  # [k] its distinct row
+    store.stats["reused_tokens"] += sum(len(b.tokens) for b in bases if b is not None)
+    fresh, ids, mask, positions = _on_bases(
+        [bases[i] for i in distinct], [contexts[i] for i in distinct], model, device
+    )
+    store.stats["prefill_tokens"] += int(mask[:, -positions.size(1) :].sum())
+    logits = _forward_last(model, ids[:, -positions.size(1) :], mask, positions, fresh, keyword)  # [U, V]
+    if len(distinct) < len(keys):
+        select_rows(fresh, index)
+        ids, mask, logits = ids[index], mask[index], logits[index]
+    return fresh, ids, mask, logits
+
+
+def _on_bases(bases: list, contexts: list, model, device):
+    """The batch of `_prefill_on_bases` before its forward: a cache of the bases' keys and values (zeros where a row's
+    base is shorter), each row's tokens [U, W] and mask [U, W], and the positions of the rest [U, S]."""
+    lengths = [len(b.tokens) if b is not None else 0 for b in bases]
+    width, rest = max(lengths), max(len(c) - n for c, n in zip(contexts, lengths, strict=True))
+    ids = torch.empty((len(contexts), width + rest), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for u, (context, n) in enumerate(zip(contexts, lengths, strict=True)):
+        ids[u] = context[0]
+        ids[u, width - n : width] = torch.tensor(context[:n], dtype=torch.long, device=device)
+        ids[u, width + rest - (len(context) - n) :] = torch.tensor(context[n:], dtype=torch.long, device=device)
+        mask[u, width - n : width] = 1
+        mask[u, width + rest - (len(context) - n) :] = 1
+    lengths_t = torch.tensor(lengths, device=device)[:, None]  # [U, 1]
+    positions = (lengths_t + mask[:, width:].cumsum(-1) - 1).masked_fill(mask[:, width:] == 0, 1)  # [U, S]
+    cache = DynamicCache(config=model.config)
+    if width:
+        for li, layer in enumerate(cache.layers):
+            keys, values = (_stack_right([b.layers[li][j] if b else None for b in bases], width) for j in (0, 1))
+            layer.update(keys, values)
+    return cache, ids, mask, positions
+
+
+def _stack_right(parts: list, width: int) -> torch.Tensor:
+    """Batch-1 tensors [1, H, n, D] (None: n = 0) stacked into [U, H, width, D], each right-aligned, zeros before."""
+    like = next(p for p in parts if p is not None)
+    out = like.new_zeros((len(parts), like.size(1), width, like.size(3)))
+    for u, part in enumerate(parts):
+        if part is not None and part.size(2):
+            out[u, :, width - part.size(2) :] = part[0]
+    return out
+
+
+def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, device) -> None:
+    """Prefill the longest prefix of `contexts` (`EpisodeCache.shared_prefix_length`) once, as the store's prefix."""
+    length = store.shared_prefix_length(contexts)
+    if not length:
+        return
+    ids = torch.tensor([list(contexts[0][:length])], dtype=torch.long, device=device)  # [1, L]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+    store.stats["prefill_tokens"] += length
+    store.set_prefix(cache_entry(cache, ids[0].tolist()))
 
 
 def _drop_padding_columns(rows: _Decoding, cache) -> None:

@@ -113,6 +113,8 @@ class Sampled:
     tool_failures: int = 0
     tool_stats: dict[str, ToolStats] | None = None  # per tool of the run (every name, called or not); None: no tools
     turns: list[int] | None = None  # [B] the model's turns in each episode (tool episodes)
+    # the `loop` engine's episode cache counts of this rollout (`episode_cache.EpisodeCache.stats`); None: no cache
+    episode_cache: dict[str, int] | None = None
 
 
 class Sampler:
@@ -311,7 +313,10 @@ class Sampler:
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
-        return self._from_episodes(run, prompts, prompt_ids, prompt_mask, is_prompt_truncated)
+        sampled = self._from_episodes(run, prompts, prompt_ids, prompt_mask, is_prompt_truncated)
+        cache = getattr(engine, "episode_cache", None)
+        sampled.episode_cache = dict(cache.stats) if cache is not None else None
+        return sampled
 
     def _tokenize(self, prompts: list, tools: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
         kwargs = self.template_kwargs if tools is not None else self.generation.chat_template_kwargs

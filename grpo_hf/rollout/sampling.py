@@ -108,18 +108,19 @@ def resolve_sampling_settings(model, generation_config):
     return resolved
 
 
-def logits_processors(generation_config, prompt_mask: torch.Tensor) -> LogitsProcessorList:
+def logits_processors(generation_config, prompt_mask: torch.Tensor, sampling: bool = True) -> LogitsProcessorList:
     """The processors `model.generate` applies for these sampling settings, in its order.
 
-    Repetition penalty first (the prompt's left padding excluded, as in `generate`), then temperature,
-    top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
+    Repetition penalty first (the prompt's left padding excluded, as in `generate`), then, when `sampling` (greedy
+    decoding applies none of them), temperature, top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
     """
     processors = LogitsProcessorList()
     config = generation_config
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, padding_lengths))
-    processors.extend(sampling_warpers(config))
+    if sampling:
+        processors.extend(sampling_warpers(config))
     return processors
 
 
