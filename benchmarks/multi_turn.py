@@ -66,9 +66,7 @@ LATENCY = {"search_flights": 1.5, "get_weather_forecast": 0.5, "convert_currency
 latency_seconds = 0.2  # `--latency`: each tool sleeps this times its LATENCY
 
 
-def search_flights(
-    origin: str, destination: str, date: str, passengers: int = 1, cabin: str = "economy", max_stops: int = 1
-) -> str:
+def search_flights(origin: str, destination: str, date: str, passengers: int = 1, cabin: str = "economy") -> str:
     """Search for scheduled flights between two airports on a given day, with their prices and seat availability.
 
     Args:
@@ -77,25 +75,24 @@ def search_flights(
         date: The departure date in ISO 8601 format (YYYY-MM-DD).
         passengers: Number of adult passengers travelling together (1 to 9).
         cabin: The travel class to search. (choices: ["economy", "premium_economy", "business", "first"])
-        max_stops: The largest number of stops a returned itinerary may make (0 for direct flights only).
     """
     time.sleep(latency_seconds * LATENCY["search_flights"])
     flights = [{"flight": "TP 556", "departs": "07:25", "arrives": "11:40", "stops": 0, "price_eur": 189}]
     return json.dumps({"flights": flights, "currency": "EUR"})
 
 
-def get_weather_forecast(location: str, days: int = 3, units: str = "metric", include_hourly: bool = False) -> str:
+def get_weather_forecast(location: str, days: int = 3, units: str = "metric") -> str:
     """Get the weather forecast for a city: the temperature range, the chance of rain and the wind for each day.
 
     Args:
         location: The city and its country, e.g. "Berlin, Germany", or a "latitude,longitude" pair.
         days: How many days ahead to forecast, starting today (1 to 10).
         units: The unit system of the temperatures and wind speeds. (choices: ["metric", "imperial"])
-        include_hourly: Whether to add an hourly breakdown of the first day.
     """
     time.sleep(latency_seconds * LATENCY["get_weather_forecast"])
-    days_ = [{"day": "Fri", "min": 9, "max": 17, "rain": 0.2}, {"day": "Sat", "min": 11, "max": 19, "rain": 0.1}]
-    return json.dumps({"location": location, "units": units, "forecast": days_})
+    return json.dumps(
+        {"location": location, "units": units, "forecast": [{"day": "Fri", "min": 9, "max": 17, "rain": 0.2}]}
+    )
 
 
 def convert_currency(amount: float, source_currency: str, target_currency: str, date: str | None = None) -> str:
@@ -111,9 +108,7 @@ def convert_currency(amount: float, source_currency: str, target_currency: str, 
     return json.dumps({"amount": amount, "from": source_currency, "to": target_currency, "rate": 1.0842})
 
 
-def search_hotels(
-    city: str, check_in: str, nights: int, guests: int = 2, max_price: float | None = None, sort_by: str = "price"
-) -> str:
+def search_hotels(city: str, check_in: str, nights: int, guests: int = 2, sort_by: str = "price") -> str:
     """Search for hotels with free rooms in a city, with their nightly price, rating and distance to the centre.
 
     Args:
@@ -121,7 +116,6 @@ def search_hotels(
         check_in: The day of arrival in ISO 8601 format (YYYY-MM-DD).
         nights: How many nights to stay (1 to 30).
         guests: How many guests share one room (1 to 4).
-        max_price: The highest nightly price to show, in euros; no limit when omitted.
         sort_by: The order of the results. (choices: ["price", "rating", "distance"])
     """
     time.sleep(latency_seconds * LATENCY["search_hotels"])
@@ -381,7 +375,7 @@ def main() -> None:
     if args.worker:
         return Path(args.out).write_text(json.dumps(rollout(args, args.worker)))
     if args.smoke:
-        args.prompts, args.group, args.tools, args.max_completion_length, args.reps = 1, 2, 1, 160, 1
+        args.prompts, args.group, args.tools, args.max_completion_length, args.reps = 1, 2, 1, 224, 1
         args.turn_tokens, args.latency = 12, 0.02
     runs = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as directory:

@@ -119,7 +119,7 @@ def test_greedy_episodes_pick_what_generate_picks_turn_by_turn():
     prompts = [[{"role": "user", "content": text}] for text in ("Hi", "Multiply 123 by 45, please.", "7 x 8?")]
     row_tools = [[multiply]] * len(prompts)
     ids, mask, _ = tokenize_prompts(tokenizer, prompts, None, {}, tools=row_tools)
-    eos, budget = [tokenizer.eos_token_id], 96
+    eos, budget = [tokenizer.eos_token_id], 256
     runner = EpisodeRunner(tokenizer, max_completion_length=budget, eos_token_ids=eos, max_tool_calling_iterations=2)
     call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 3}}}
     runner.parse = lambda *_: {"role": "assistant", "content": "", "tool_calls": [call]}  # every turn calls
@@ -139,8 +139,8 @@ def test_greedy_episodes_pick_what_generate_picks_turn_by_turn():
             picked = expected.completion_ids[0][expected.completion_mask[0].bool()].tolist()
             assert completion[t:end] == picked and picked
             turns += 1
-    assert turns == sum(episodes.turns) > len(prompts)  # some episodes took more than one turn
-    assert engine.episode_cache.stats["reused_tokens"] > 0
+    assert turns == sum(episodes.turns) == 3 * len(prompts)  # each episode: 2 rounds of calls, then its last turn
+    assert engine.episode_cache.stats["reused_tokens"] > 0 and engine.episode_cache.stats["hits"] > 0
 
 
 @pytest.fixture(scope="module")
