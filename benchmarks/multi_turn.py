@@ -364,7 +364,9 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=768, help="Tokens per episode (default 768).")
     parser.add_argument("--turn-tokens", type=int, default=48, help="Tokens per turn at most (default 48).")
     parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature (default 0.7).")
-    parser.add_argument("--cache-gb", type=float, default=1.0, help="The after arm's cache budget (default 1 GB).")
+    parser.add_argument(
+        "--cache-gb", type=float, default=4.0, help="The after arm's cache GiB (default 4, as training's)."
+    )
     parser.add_argument("--reps", type=int, default=3, help="Repetitions, the arms alternated (default 3).")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--smoke", action="store_true", help="2 rows, one tool, 12-token turns, one repetition.")
