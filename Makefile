@@ -66,6 +66,7 @@ bench: install
 	$(PY) benchmarks/vs_trl.py --configs fam-qwen3,fam-qwen3_5,fam-gemma3,fam-qwen3_moe --reps 2 --rollouts 3
 	$(PY) benchmarks/multi_process.py
 	$(PY) benchmarks/async_overlap.py --steps 10
+	$(PY) benchmarks/multi_turn.py
 
 # On a GPU machine: grpo_hf vs TRL at Qwen2.5-0.5B/1.5B shapes (random weights, no hub), and the demo recipe with bf16
 # weights (the learning check of docs/precision.md).

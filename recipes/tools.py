@@ -113,6 +113,7 @@ def evaluate_stage(model, tokenizer, held_out, tools, args, config, template_kwa
         template_kwargs=template_kwargs,
         batch_size=args.eval_batch_size,
         max_tool_calling_iterations=config.max_tool_calling_iterations,
+        episode_cache_gb=config.episode_cache_gb,
     )
     return {**metrics, "seconds": time.time() - start}
 

@@ -155,3 +155,23 @@ def test_the_async_benchmark_prints_its_table_on_a_tiny_model():
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| latency", "| compute"))]
     assert [row.split("|")[3].strip() for row in rows] == ["0", "1", "0", "1", "2"]  # max_staleness per row
     assert all(float(row.split("|")[4]) > 0 for row in rows)  # steps per second
+
+
+@pytest.mark.benchmark
+def test_the_multi_turn_benchmark_prints_both_arms_their_ratios_and_the_targets():
+    result = run_script("benchmarks/multi_turn.py", "--smoke", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| arm |")))
+    assert lines[header].split("|")[2:-1] == [
+        " prefill tokens/episode ", " computed with padding/episode ", " new tokens/episode ", " turns/episode ",
+        " shared prefix tokens ", " s/rollout ", " peak MB ",
+    ]  # fmt: skip
+    rows = [line.split("|")[1].strip() for line in lines[header + 2 : header + 5]]
+    assert rows == ["today", "after", "after/today"]
+    today, after = (line.split("|") for line in lines[header + 2 : header + 4])
+    assert float(after[2].replace(",", "")) < float(today[2].replace(",", ""))  # fewer tokens prefilled
+    assert int(today[6].replace(",", "")) == int(after[6].replace(",", "")) > 0  # the prompts' shared prefix
+    assert sum(line.startswith("target: ") for line in lines) == 2
+    assert any(line.startswith("same tokens, seed 0: ") and line.endswith("/2 episodes") for line in lines)
+    assert "system block" in lines[0] and any("episode cache, seed 0: {" in line for line in lines)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 recipe = load_recipe("tools")
-from tools_support.evaluation import greedy_shared_prefix  # noqa: E402
+from tools_support.evaluation import greedy_engine  # noqa: E402
 from tools_support.problems import correct_answer, make_problems, multiply, split_of  # noqa: E402
 from tools_support.warm_start import calls_tool, trace_ids  # noqa: E402
 
@@ -101,33 +101,46 @@ def test_the_warm_start_calls_on_an_even_share_of_its_traces():
     assert all(calls_tool(i, 1.0) for i in range(12))
 
 
-def test_greedy_decoding_on_a_shared_prefix_picks_what_generate_picks():
+def test_greedy_episodes_pick_what_generate_picks_turn_by_turn():
+    """The evaluation's decoder (`greedy_engine`, its episode cache on): every turn of every episode is what greedy
+    `model.generate` picks on the same context (the prompt, the earlier turns and the tool replies), and the cache
+    served context tokens instead of prefilling them again."""
     import torch
-    from transformers import GenerationConfig
 
+    from grpo_hf.rollout.episodes import EpisodeRunner
     from grpo_hf.rollout.hf_generate import GenerateEngine
+    from grpo_hf.rollout.prompts import tokenize_prompts
 
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tool_tokenizer()
     model = build_tiny_model(tokenizer, "qwen2", hidden_size=64).eval()
-    shared = "<|im_start|>system\nA long system prompt that every row shares.<|im_end|>\n<|im_start|>user\n"
-    texts = [shared + "Hi", shared + "Multiply 123 by 45, please.", shared + "What is 7 x 8?"]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    eos = [tokenizer.eos_token_id]
-    ids, mask = greedy_shared_prefix(model, batch.input_ids, batch.attention_mask, 12, eos, tokenizer.pad_token_id)
-    pad = tokenizer.pad_token_id
-    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=pad, eos_token_id=eos)
-    expected = GenerateEngine(config, eos).generate(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
-    for row in range(3):
-        got = ids[row][mask[row].bool()].tolist()
-        assert got == expected.completion_ids[row][expected.completion_mask[row].bool()].tolist() and got
-    with torch.no_grad():  # rows that end early (at 1, 3 and 6 tokens): finished rows are masked, the others go on
-        model.lm_head.weight[tokenizer.eos_token_id] *= 2
-    ids, mask = greedy_shared_prefix(model, batch.input_ids, batch.attention_mask, 12, eos, tokenizer.pad_token_id)
-    expected = GenerateEngine(config, eos).generate(model, batch.input_ids, batch.attention_mask, max_new_tokens=12)
-    assert mask.sum(1).tolist() == [6, 1, 3] and ids.shape == (3, 6)
-    assert [ids[r][mask[r].bool()].tolist() for r in range(3)] == [
-        expected.completion_ids[r][expected.completion_mask[r].bool()].tolist() for r in range(3)
-    ]
+    model.config.max_position_embeddings = 4096  # one token per byte: the tool's schema alone is ~500 tokens
+    with torch.no_grad():  # turns that end after a few tokens, so that episodes take several
+        model.lm_head.weight[tokenizer.eos_token_id] *= 3
+    prompts = [[{"role": "user", "content": text}] for text in ("Hi", "Multiply 123 by 45, please.", "7 x 8?")]
+    row_tools = [[multiply]] * len(prompts)
+    ids, mask, _ = tokenize_prompts(tokenizer, prompts, None, {}, tools=row_tools)
+    eos, budget = [tokenizer.eos_token_id], 256
+    runner = EpisodeRunner(tokenizer, max_completion_length=budget, eos_token_ids=eos, max_tool_calling_iterations=2)
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 3}}}
+    runner.parse = lambda *_: {"role": "assistant", "content": "", "tool_calls": [call]}  # every turn calls
+    engine = greedy_engine(model, tokenizer, budget)
+    episodes = runner.run_joining(lambda source: engine.decode_turns(model, source), ids, mask, row_tools)
+
+    reference = GenerateEngine(engine.generation_config, eos)
+    turns = 0
+    for row, (prompt, keep) in enumerate(zip(ids, mask, strict=True)):
+        completion = episodes.completion_ids[row].tolist()
+        sampled = episodes.completion_mask[row].tolist()
+        starts = [t for t, s in enumerate(sampled) if s and (t == 0 or not sampled[t - 1])]
+        for t in starts:
+            end = next((u for u in range(t, len(sampled)) if not sampled[u]), len(sampled))
+            context = torch.tensor([prompt[keep.bool()].tolist() + completion[:t]])  # [1, L]
+            expected = reference.generate(model, context, torch.ones_like(context), max_new_tokens=budget - t)
+            picked = expected.completion_ids[0][expected.completion_mask[0].bool()].tolist()
+            assert completion[t:end] == picked and picked
+            turns += 1
+    assert turns == sum(episodes.turns) == 3 * len(prompts)  # each episode: 2 rounds of calls, then its last turn
+    assert engine.episode_cache.stats["reused_tokens"] > 0 and engine.episode_cache.stats["hits"] > 0
 
 
 @pytest.fixture(scope="module")
