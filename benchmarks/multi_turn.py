@@ -169,19 +169,24 @@ class TurnCap:
 class PrefillCounter:
     """Counts the tokens of every forward with more than one input column (a prefill, not a decode step), by a
     forward pre-hook on `module`: `real` (the attention mask's ones in the new columns; all of them without a mask)
-    and `computed` (rows x columns, padding included)."""
+    and `computed` (rows x columns, padding included); and of every decode step (one input column), the key columns its
+    rows attend over (`attended`: rows x the mask's width) and the real ones among them (`attended_real`)."""
 
     def __init__(self, module):
         self.real, self.computed, self.forwards = 0, 0, 0
+        self.attended, self.attended_real = 0, 0
         self.handle = module.register_forward_pre_hook(self.count, with_kwargs=True)
 
     def count(self, _module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         rows, columns = ids.shape if ids is not None else embeds.shape[:2]
-        if columns <= 1:
-            return
         mask = kwargs.get("attention_mask")
+        if columns <= 1:
+            if mask is not None and mask.dim() == 2:
+                self.attended += mask.numel()
+                self.attended_real += int(mask.sum())
+            return
         self.forwards += 1
         self.computed += rows * columns
         real = mask[:, -columns:].sum() if mask is not None and mask.dim() == 2 else rows * columns
@@ -281,6 +286,7 @@ def rollout(args, arm: str) -> dict:
     return {
         "arm": arm, "seed": args.seed, "seconds": seconds, "rows": ids.size(0),
         "prefill_real": counter.real, "prefill_computed": counter.computed, "prefill_forwards": counter.forwards,
+        "attended": counter.attended, "attended_real": counter.attended_real,
         "new_tokens": sum(lengths), "sampled_tokens": int(episodes.completion_mask.sum()),
         "turns": episodes.turns, "truncated": int(episodes.is_truncated.sum()),
         "shared_prefix": shared_prefix([row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)]),
@@ -316,6 +322,7 @@ def summary(records: list[dict]) -> dict:
         "turns": median(lambda r: sum(r["turns"]) / r["rows"]),
         "seconds": median(lambda r: r["seconds"]),
         "peak_mb": median(lambda r: r["peak_mb"]),
+        "padding": median(lambda r: 1 - r["attended_real"] / r["attended"] if r["attended"] else 0.0),
         "shared_prefix": records[0]["shared_prefix"],
         "rows": records[0]["rows"],
     }
@@ -326,18 +333,18 @@ def table(runs: dict[str, list[dict]]) -> list[str]:
     today, after = summary(runs["today"]), summary(runs["after"])
     lines = [
         "| arm | prefill tokens/episode | computed with padding/episode | new tokens/episode | turns/episode "
-        "| shared prefix tokens | s/rollout | peak MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| shared prefix tokens | decode steps' padded key columns | s/rollout | peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm, s in (("today", today), ("after", after)):
         lines.append(
             f"| {arm} | {s['prefill']:,.0f} | {s['computed']:,.0f} | {s['new']:,.1f} | {s['turns']:.2f} "
-            f"| {s['shared_prefix']:,} | {s['seconds']:.2f} | {s['peak_mb']:,.0f} |"
+            f"| {s['shared_prefix']:,} | {s['padding']:.0%} | {s['seconds']:.2f} | {s['peak_mb']:,.0f} |"
         )
     ratio = lambda key: f"{after[key] / today[key]:.2f}x" if today[key] else "n/a"  # noqa: E731
     lines.append(
         f"| after/today | {ratio('prefill')} | {ratio('computed')} | {ratio('new')} | {ratio('turns')} | "
-        f"| {ratio('seconds')} | {ratio('peak_mb')} |"
+        f"| | {ratio('seconds')} | {ratio('peak_mb')} |"
     )
     floor = after["new"] + after["shared_prefix"] / after["rows"]  # the episode's own tokens + one prefix per batch
     met = lambda ok: "met" if ok else "missed"  # noqa: E731

@@ -165,7 +165,7 @@ def test_the_multi_turn_benchmark_prints_both_arms_their_ratios_and_the_targets(
     header = lines.index(next(line for line in lines if line.startswith("| arm |")))
     assert lines[header].split("|")[2:-1] == [
         " prefill tokens/episode ", " computed with padding/episode ", " new tokens/episode ", " turns/episode ",
-        " shared prefix tokens ", " s/rollout ", " peak MB ",
+        " shared prefix tokens ", " decode steps' padded key columns ", " s/rollout ", " peak MB ",
     ]  # fmt: skip
     rows = [line.split("|")[1].strip() for line in lines[header + 2 : header + 5]]
     assert rows == ["today", "after", "after/today"]
