@@ -16,7 +16,8 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
   only at the positions that predict completion tokens, upcast per chunk, never a full fp32 copy.
 - **Per-group backward** (`backward_per_group`): the loss is a sum of per-row terms once advantages
   and normalisers are fixed, so its gradient can be accumulated one group at a time; only one group's
-  activations are alive at once.
+  activations are alive at once. The MoE load-balancing loss is one too once its expert counts are fixed, by a
+  no-grad routing pass first (`expert_load`, `RouterTally.share`).
 """
 
 from __future__ import annotations
