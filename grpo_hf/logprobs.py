@@ -353,7 +353,7 @@ def expert_load(model: nn.Module, batch: Batch) -> ExpertLoad:
     base = base_model(model)
     device = batch.prompt_ids.device
     load = ExpertLoad(base.num_experts, base.num_experts_per_tok, device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
         for _ in shared_prefix_logits(model, batch, load, head=False):
             pass
     return load
