@@ -116,8 +116,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "coefficient x the model's load-balancing loss (its `aux_loss`, over the prompt + completion tokens of "
             "the micro-batch), logged as `aux_loss`. None: the model config's `router_aux_loss_coef` (0 if none); "
             "0.0: off. A non-zero value with a model that is not MoE is an error. While on, the shared-prefix forward "
-            "counts each prompt token's routing once per row, as the padded forward does, and backpropagates once "
-            "over the micro-batch (the expert counts span every group), not a group at a time."
+            "counts each prompt token's routing once per row, as the padded forward does; one group's backward at a "
+            "time (backward_per_group) first runs a no-grad routing pass over the micro-batch for the expert counts, "
+            "which span every group (a model whose load-balancing loss is not Switch Transformer's: one backward)."
         },
     )
     cast_lm_head_to_fp32: bool = field(

@@ -16,7 +16,8 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
   only at the positions that predict completion tokens, upcast per chunk, never a full fp32 copy.
 - **Per-group backward** (`backward_per_group`): the loss is a sum of per-row terms once advantages
   and normalisers are fixed, so its gradient can be accumulated one group at a time; only one group's
-  activations are alive at once.
+  activations are alive at once. The MoE load-balancing loss is one too once its expert counts are fixed, by a
+  no-grad routing pass first (`expert_load`, `RouterTally.share`).
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch
 
 
 def shared_prefix_logits(
-    model: nn.Module, batch: Batch, router: RouterTally | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    model: nn.Module, batch: Batch, router: RouterTally | ExpertLoad | None = None, *, head: bool = True
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
 
     For each run of identical prompt rows (a group, `prompt_runs`), the prompt's real tokens (no padding) but the
@@ -181,7 +182,8 @@ def shared_prefix_logits(
     per group, so with dropout on, the group shares its dropout mask. A bucket's forward has at least 2 tokens (one
     token would take the decode kernels that update linear-attention states in place), and with `router` (the MoE
     load-balancing loss) every real token, the last completion token included: each forward's router logits go to
-    `router` with the number of rows each token stands for.
+    `router` with the number of rows each token stands for. `head=False`: the decoder alone, no LM head
+    (`expert_load`'s routing pass); yields `(rows, None)`.
 
     A vision-language model takes `_vision_prefix_logits`.
     """
@@ -209,18 +211,19 @@ def shared_prefix_logits(
             last = prompt_ids[start : start + 1, P - 1 :].expand(n, 1)  # [n, 1]
             input_ids = torch.cat([last, completion_ids[rows, : width - 1]], dim=1)  # [n, width]
             positions = torch.arange(p - 1, p - 1 + width, device=prompt_ids.device).expand(n, -1)  # [n, width]
-            output = base(
+            keep = 0 if width == t else torch.arange(t, device=prompt_ids.device)
+            output = (base if head else decoder)(
                 input_ids=input_ids,
                 position_ids=positions,
                 use_cache=True,
-                logits_to_keep=0 if width == t else torch.arange(t, device=prompt_ids.device),
+                **({"logits_to_keep": keep} if head else {}),
                 **{keyword: repeat_cache(cache, n)},
                 **routed,
             )
             if router is not None:  # the prompt's last token, then the completion's real tokens
                 weights = torch.cat([lengths.new_ones(n, 1), batch.attention_mask[rows, : width - 1]], dim=1)
                 router.add(output.router_logits, weights)  # [n, width]
-            yield rows, output.logits  # [n, t, V]
+            yield rows, (output.logits if head else None)  # [n, t, V]
 
 
 def _vision_prefix_logits(base: nn.Module, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -276,7 +279,7 @@ def _cache_of(output):
 
 class RouterTally:
     """The MoE router logits of a micro-batch's shared-prefix forwards, and how many rows each token stands for, to
-    compute the load-balancing loss the padded forward computes (`loss`).
+    compute the load-balancing loss the padded forward computes (`loss`), or one group's share of it (`share`).
 
     The model's own `load_balancing_loss_func` (Switch Transformer's, as Mixtral, Qwen3-MoE, GPT-OSS and the rest
     copy it) averages, over every layer and real token, the top-k assignments per expert and the router's
@@ -284,7 +287,8 @@ class RouterTally:
     products. Handed the concatenated logits of the shared forwards and, as the mask, each token's count (a prompt
     token: its group's rows, a completion token: 1, padding: 0), it computes the same means over the same tokens as
     over the padded micro-batch. The counts of assignments carry no gradient; the probabilities' do, through every
-    group, so this loss is differentiated by one backward over the micro-batch (`LogprobPath.plan`)."""
+    group: `loss` is differentiated by one backward over the micro-batch; `share`, given the assignments of every
+    group first (`expert_load`), one group at a time."""
 
     def __init__(self):
         self.layers: list[list[torch.Tensor]] = []  # per layer: the forwards' router logits [tokens, E]
@@ -303,6 +307,78 @@ class RouterTally:
         gate_logits = tuple(torch.cat(parts) for parts in self.layers)  # per layer [tokens, E]
         counts = torch.cat(self.counts)[None]  # [1, tokens]
         return _router_loss_function(base)(gate_logits, base.num_experts, base.num_experts_per_tok, counts)
+
+    def share(self, load: ExpertLoad) -> torch.Tensor:
+        """These tokens' share of the micro-batch's load-balancing loss E x sum_i f_i P_i, with f (`load.fractions`)
+        fixed: E x sum_i f_i x (sum over these tokens and layers of count x probability of expert i) / (the
+        micro-batch's counts summed over layers). Linear in the probabilities, so the groups' shares sum to the loss
+        and each share's gradient is the loss's gradient through this group's router."""
+        counts = torch.cat(self.counts).float()  # [tokens]
+        probs = torch.zeros_like(load.assigned)  # [E]
+        for parts in self.layers:
+            weights = torch.softmax(torch.cat(parts), dim=-1).float()  # [tokens, E]
+            probs = probs + (weights * counts[:, None]).sum(dim=0)
+        return torch.sum(load.fractions * probs / load.total) * load.assigned.numel()
+
+
+class ExpertLoad:
+    """No grad: the top-k assignments per expert of a micro-batch's tokens (`RouterTally`'s counts as weights),
+    summed over layers (`assigned` [E]), and those weights summed over layers (`total`). `fractions` = f, the share of
+    assignments each expert got, as `load_balancing_loss_func` counts it."""
+
+    def __init__(self, num_experts: int, top_k: int, device: torch.device):
+        self.top_k = top_k
+        self.assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
+
+    def add(self, router_logits: tuple[torch.Tensor, ...], counts: torch.Tensor) -> None:
+        """A forward's router logits (per layer [b * s, E]) and its tokens' counts [b, s]: the top-k experts of the
+        router's probabilities, as the loss function picks them."""
+        weights = counts.reshape(-1).float()  # [b * s]
+        for logits in router_logits:
+            _, experts = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)  # [b * s, k]
+            self.assigned.scatter_add_(0, experts.reshape(-1), weights.repeat_interleave(self.top_k))
+            self.total += weights.sum()
+
+    @property
+    def fractions(self) -> torch.Tensor:
+        return self.assigned / self.total  # [E]
+
+
+@torch.no_grad()
+def expert_load(model: nn.Module, batch: Batch) -> ExpertLoad:
+    """The routing pass: every token's top-k experts (`ExpertLoad`) from one no-grad run of the shared-prefix decoder
+    over `batch`, no LM head. The random state is restored after it, so that the training forwards that follow draw
+    the same dropout masks and route as it did."""
+    base = base_model(model)
+    device = batch.prompt_ids.device
+    load = ExpertLoad(base.num_experts, base.num_experts_per_tok, device)
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        for _ in shared_prefix_logits(model, batch, load, head=False):
+            pass
+    return load
+
+
+def router_loss_splits(model: nn.Module) -> str | None:
+    """Why `model`'s load-balancing loss cannot be split into the groups' shares (`RouterTally.share`), or None when
+    it can: its `load_balancing_loss_func` (`router_aux_unsupported`) gives Switch Transformer's E x sum_i f_i P_i on
+    a probe of random router logits and token counts (each model's modeling module has its own copy)."""
+    reason = router_aux_unsupported(model)
+    if reason is not None:
+        return reason
+    base = base_model(model)
+    experts, top_k = base.num_experts, base.num_experts_per_tok
+    generator = torch.Generator().manual_seed(0)
+    logits = [torch.randn(6, experts, generator=generator, dtype=torch.float64) for _ in range(2)]  # 2 layers
+    counts = torch.tensor([[3, 1, 0, 2, 1, 1]])  # [1, 6]
+    want = _router_loss_function(base)(tuple(logits), experts, top_k, counts)
+    tally, load = RouterTally(), ExpertLoad(experts, top_k, torch.device("cpu"))
+    tally.add(logits, counts)
+    load.add(logits, counts)
+    got = tally.share(load)
+    if not torch.is_tensor(want) or not torch.allclose(got.double(), want.double(), rtol=1e-5, atol=0.0):
+        return f"{type(base).__name__}'s `load_balancing_loss_func` is not Switch Transformer's E x sum_i f_i P_i"
+    return None
 
 
 def _router_loss_function(base: nn.Module) -> Callable | None:
@@ -373,10 +449,12 @@ def shared_prefix_logps(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     router_aux: list[torch.Tensor] | None = None,
+    router_load: ExpertLoad | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
     bucket get 0. Needs the bare model (`supports_shared_prefix`). `router_aux`: as `padded_logps`'s, the
-    load-balancing loss of the padded forward's tokens (`RouterTally`) appended to it."""
+    load-balancing loss of the padded forward's tokens (`RouterTally`) appended to it; with `router_load` (the
+    routing of a micro-batch `batch` is part of, `expert_load`), these tokens' share of that micro-batch's loss."""
     completion_ids = batch.completion_ids
     T = completion_ids.size(1)
     rows, logps, entropy = [], [], []
@@ -391,7 +469,7 @@ def shared_prefix_logps(
         if with_entropy:
             entropy.append(nn.functional.pad(part_entropy, (0, T - t)))
     if router is not None:
-        router_aux.append(router.loss(model))
+        router_aux.append(router.loss(model) if router_load is None else router.share(router_load))
     order = torch.argsort(torch.cat(rows))  # [B] back to batch order
     return torch.cat(logps)[order], (torch.cat(entropy)[order] if with_entropy else None)  # [B, T] each
 
@@ -485,6 +563,7 @@ def backward_per_group(
     backward_fn: Callable[[torch.Tensor], None],
     *,
     entropy_in_loss: bool = False,
+    router_aux: list[torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
@@ -504,6 +583,11 @@ def backward_per_group(
     detached, zeros for later ones. The gradient stays exact for terms that are sums over rows with fixed
     weights (`core.entropy_bonus` over a fixed token set), not for a token set chosen from every row's entropy
     (`core.high_entropy_mask`): that needs every group's entropy before the first backward, i.e. one backward.
+
+    `router_aux`: a list, for Mixture-of-Experts models: a no-grad routing pass over the micro-batch first
+    (`expert_load`) fixes the expert fractions of its load-balancing loss; `loss_fn(..., router_aux=[aux])` then gets
+    the earlier groups' shares (detached) plus this group's (`RouterTally.share`), at the last group the whole
+    micro-batch's loss, which is appended to the list.
     """
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)
     # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
@@ -512,18 +596,25 @@ def backward_per_group(
         placeholder = torch.zeros_like(batch.completion_ids, dtype=torch.float32)
     values = placeholder.clone()  # [B, T]
     entropy = torch.zeros_like(values)  # [B, T]
+    routed = router_aux is not None
+    load, aux_done = (expert_load(model, batch) if routed else None), 0.0  # aux_done: earlier groups' shares
     for k, (start, stop) in enumerate(runs):
-        part = batch.rows(start, stop)
-        logps, part_entropy = shared_prefix_logps(model, part, with_entropy=True, **kwargs)  # [n, T] each
+        part, shares = batch.rows(start, stop), ([] if routed else None)
+        logps, part_entropy = shared_prefix_logps(
+            model, part, with_entropy=True, router_aux=shares, router_load=load, **kwargs
+        )  # [n, T] each
         logps = logps.to(values.dtype)
         inputs = [torch.cat([values[:start], logps, values[stop:]])]  # [B, T]
         if entropy_in_loss:
             inputs.append(torch.cat([entropy[:start], part_entropy.to(entropy.dtype), entropy[stop:]]))  # [B, T]
-        loss, metrics = loss_fn(*inputs)
-        values[start:stop] = logps.detach()
-        entropy[start:stop] = part_entropy.detach()
+        aux = [aux_done + shares[0]] if routed else None  # [the micro-batch's loss so far]
+        loss, metrics = loss_fn(*inputs, **({"router_aux": aux} if routed else {}))
+        values[start:stop], entropy[start:stop] = logps.detach(), part_entropy.detach()
+        aux_done = aux[0].detach() if routed else aux_done
         if k < len(runs) - 1:
             backward_fn(loss)
+    if routed:
+        router_aux.extend(aux)
     return loss, metrics, entropy
 
 
@@ -542,15 +633,22 @@ class LogprobPath:
         router_aux_loss_coef: float,
         sharded: bool,
         backward_per_group: bool | None = None,
+        module: nn.Module | None = None,
     ):
         """`forward_settings`: `completion_logps`' `temperature` and `chunk_size` (None: chosen by device), the same
-        for every forward. `share_prompt_prefix`, `backward_per_group`: None to choose by device and memory."""
+        for every forward. `share_prompt_prefix`, `backward_per_group`: None to choose by device and memory.
+        `module`: the bare model, whose MoE load-balancing loss may split into the groups' shares
+        (`router_loss_splits`; None: it is taken not to)."""
         self.accelerator, self.sharded, self.router_aux_loss_coef = accelerator, sharded, router_aux_loss_coef
         self.share_prompt_prefix, self.micro_batch_size = share_prompt_prefix, micro_batch_size
         self.temperature = forward_settings.get("temperature", 1.0)
         one_backward = None
-        if router_aux_loss_coef != 0.0:  # `RouterTally`: the gradient of one group's routing needs every group's
-            one_backward = f"router_aux_loss_coef={router_aux_loss_coef}, whose expert counts span every group"
+        if router_aux_loss_coef != 0.0:  # the expert counts span every group: a routing pass first, or one backward
+            why = "no model given" if module is None else router_loss_splits(module)
+            if why is not None:
+                one_backward = f"router_aux_loss_coef={router_aux_loss_coef}, whose expert counts span every group"
+                one_backward += f": {why}"
+        self.router_pass = router_aux_loss_coef != 0.0 and one_backward is None  # before a group at a time
         self.planner = Planner(
             accelerator, share_prompt_prefix, backward_per_group, forward_settings.get("chunk_size"), self.temperature,
             one_backward,
@@ -568,7 +666,11 @@ class LogprobPath:
 
     def describe(self, model: nn.Module) -> str:
         """One log line at start-up: the path the training forwards take, or how it is chosen."""
-        return self.planner.describe(self.blocker(model))
+        blocker = self.blocker(model)
+        line = self.planner.describe(blocker)
+        if self.router_pass and blocker is None and self.share_prompt_prefix is not False:
+            line += "; a group at a time runs a no-grad routing pass first (the MoE load-balancing loss's counts)"
+        return line
 
     def plan(self, model: nn.Module, batch: Batch, grad: bool = True) -> ForwardPlan:
         """The `ForwardPlan` of `batch` on `model` (as Trainer holds it); `grad=False` for a no-grad pass."""

@@ -91,6 +91,13 @@ class Objective:
             loss = loss + self.router_aux_loss_coef * aux_loss
         return loss, metrics
 
+    def loss_of(self, batch: MicroBatch, accumulation_steps: int):
+        """The training loss of `batch` as `logprobs.backward_per_group`'s `loss_fn(logps, entropy, router_aux=None)`:
+        the log-probs and entropy [B, T] and the MoE load-balancing losses so far."""
+        return lambda logps, entropy, router_aux=None: self(
+            logps, batch, entropy, accumulation_steps=accumulation_steps, router_aux=router_aux
+        )
+
     def sampling_weight(self, logps: Tensor, batch: MicroBatch) -> tuple[Tensor | None, dict[str, float]]:
         """vLLM's importance-sampling correction and decoupled PPO's (`core.sampling_importance_weights`): the weight
         pi_old / pi_sampler [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the

@@ -161,7 +161,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         sharded, aux = self.is_fsdp_enabled or self.is_deepspeed_enabled, self.router_aux_loss_coef
         self.logps = LogprobPath(
             self.accelerator, forwards, args.per_device_train_batch_size, args.share_prompt_prefix, aux, sharded,
-            args.backward_per_group,
+            args.backward_per_group, self.accelerator.unwrap_model(self.model),
         )  # fmt: skip
         settings = (args.loss_settings(), args.entropy_settings(), args.sampling_correction(self.uses_producer))
         self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
@@ -319,15 +319,15 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         model = self.accelerator.unwrap_model(model) if share_prefix else model
         kwargs["entropy_grad"] = objective.entropy.applied != 0  # the bonus is differentiated; else a metric
         steps, policy_mask = self.current_gradient_accumulation_steps, None
+        router_aux = objective.router_aux(kwargs)  # MoE: the forwards' load-balancing loss goes here
         with self.accelerator.autocast():
             # top_entropy_quantile < 1: a group's token mask depends on every group's entropy, so one backward
             if share_prefix and plan.per_group and self.args.top_entropy_quantile == 1.0:
-                loss_fn = lambda logps, entropy: objective(logps, batch, entropy, accumulation_steps=steps)  # noqa: E731
+                loss_fn = objective.loss_of(batch, steps)  # a routing pass first, then each group's share
                 loss, metrics, entropy = backward_per_group(
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
             else:
-                router_aux = objective.router_aux(kwargs)  # MoE: the forward's load-balancing loss goes here
                 logps, entropy = completion_logps(model, batch, share_prefix=share_prefix, with_entropy=True, **kwargs)
                 policy_mask = objective.policy_mask(entropy, batch.completion_mask)  # [B, T] or None: all
                 loss, metrics = objective(
