@@ -325,10 +325,22 @@ def build_trainer(
 
             allow_fsdp_on_cpu()
         args = GRPOConfig(**{**kwargs, **GRPO_HF_ONLY, **extra})
+    if impl == "trl" and isinstance(inputs["model"], str):
+        inputs["model"] = _loaded(inputs["model"])
     trainer = GRPOTrainer(args=args, **inputs)
     if impl == "grpo_hf" and s["task"] == "tools":
         trainer.experience.sampler.episodes.parse = scripted_parse
     return trainer
+
+
+def _loaded(path: str):
+    """The fp32 model at `path`, for TRL: TRL 1.16 builds a model from a path by its config's `architectures`, which
+    the offline SmolLM2's config.json lacks (`TypeError: 'NoneType' object is not subscriptable`); grpo_hf loads it
+    with `AutoModelForCausalLM` either way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 class GenerationMeter:

@@ -157,10 +157,10 @@ class TurnCap:
     def poll(self, block: bool):
         return [(key, context, min(budget, self.tokens)) for key, context, budget in self.source.poll(block)]
 
-    def turn_done(self, key, turn: list[int], logps: list[float]) -> None:
+    def turn_done(self, key, turn: list[int], logps: list[float]) -> bool | None:
         if len(turn) == self.tokens and turn[-1] not in self.eos_token_ids:
             turn = [*turn[:-1], self.eos]
-        self.source.turn_done(key, turn, logps)
+        return self.source.turn_done(key, turn, logps)  # whether the episode comes back: the decoder keeps its cache
 
     def __getattr__(self, name: str):
         return getattr(self.source, name)
