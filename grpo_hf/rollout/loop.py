@@ -237,15 +237,7 @@ def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tenso
 def _next_logits(model, tokens, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
     """fp32 logits [A, V] after one more token per row (`tokens` [A] at `positions` [A, 1]), the cache (passed as
     `keyword`, `cache_keyword`) extended."""
-    output = model(
-        input_ids=tokens[:, None],
-        attention_mask=attention_mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{keyword: cache},
-    )
-    return output.logits[:, -1].float()
+    return _forward_last(model, tokens[:, None], attention_mask, positions, cache, keyword)
 
 
 # ---- tool episodes: turns that join the decoding batch at the next token step ---------------------------------------
@@ -473,8 +465,7 @@ def _prefill_on_bases(model, keys, contexts, store: EpisodeCache, keyword: str, 
     [k, V]). Row u's W = Wb + S columns are its base right-aligned in the first Wb (the widest base), then the rest
     right-aligned in the last S (the longest rest); the gap between is masked, and filled with the row's first token so
     that the repetition penalty, which reads every token after the left padding, sees the tokens it would."""
-    if not store.prefix_chosen:
-        _set_shared_prefix(model, contexts, store, keyword, device)
+    _set_shared_prefix(model, contexts, store, keyword, device)  # once a run (`EpisodeCache.shared_prefix_length`)
     bases = [store.base(key, context) for key, context in zip(keys, contexts, strict=True)]
     signature = [(id(b), tuple(c[len(b.tokens) if b else 0 :])) for b, c in zip(bases, contexts, strict=True)]
     first = {s: i for i, s in reversed(list(enumerate(signature)))}  # each distinct row's first occurrence
