@@ -7,7 +7,9 @@ the models are randomly initialised from small configs.
 
 import itertools
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +213,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+# Every case of the one-step comparisons (`tests/distributed/grpo_step.py`), with 1 process and with 2: each layout's
+# cases train one after the other in one torchrun launch (a launch costs about 10 s on 2 cores before it trains).
+ONE_PROCESS_CASES = ["grpo-1-fast", "dapo-1-fast", "grpo-2-fast", "dapo-2-fast", "grpo-1-padded"]
+TWO_PROCESS_CASES = [*ONE_PROCESS_CASES, "grpo-1-fast-stream", "dapo-2-fast-stream"]
+
+
+def _launch_steps(out_dir, num_processes: int, cases: list[str]) -> dict[str, dict]:
+    script = Path(__file__).parent / "distributed" / "grpo_step.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [*command, str(script), str(out_dir), *cases], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {case: torch.load(out_dir / case / "step.pt") for case in cases}
+
+
+@pytest.fixture(scope="session")
+def distributed_steps(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """{process count: {case: its step}} for every case of `ONE_PROCESS_CASES` / `TWO_PROCESS_CASES`."""
+    return {
+        1: _launch_steps(tmp_path_factory.mktemp("one_process"), 1, ONE_PROCESS_CASES),
+        2: _launch_steps(tmp_path_factory.mktemp("two_processes"), 2, TWO_PROCESS_CASES),
+    }
+
+
+def assert_same_step(one: dict, two: dict) -> None:
+    """Same advantages, loss and (clipped) update."""
+    assert one["advantages"].abs().sum() > 0
+    torch.testing.assert_close(two["advantages"], one["advantages"], rtol=0, atol=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    for name, value in one["params"].items():
+        torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo_hf import models
 from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
@@ -226,8 +226,9 @@ def test_unreachable_hub_model_names_the_offline_options(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", offline)
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", offline)
+    # every loader fails as on a machine without the Hub (the config is read first), without waiting for its retries
+    for auto in (AutoConfig, AutoModelForCausalLM, AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", offline)
     for load in (models.load_model, models.load_tokenizer):
         with pytest.raises(OSError) as err:
             load("Qwen/Qwen2.5-0.5B-Instruct")

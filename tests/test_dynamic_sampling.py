@@ -180,22 +180,31 @@ def test_dynamic_sampling_settings_are_checked(tmp_path):
         type(trainer)(trainer.model, trainer.reward_funcs, trainer.args, stream, processing_class=tokenizer)
 
 
-def _run(tmp_path, num_processes: int, max_rounds: int) -> dict:
-    out = tmp_path / f"dynamic_{num_processes}_{max_rounds}.pt"
+ROUNDS = [4, 0]
+
+
+def _launch(out_dir, num_processes: int) -> dict[int, dict]:
+    """Every `ROUNDS` setting trained in one torchrun launch of `num_processes` processes: {max_rounds: its step}."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    rounds = [str(r) for r in ROUNDS]
     result = subprocess.run(
-        [*command, str(SCRIPT), str(out), str(max_rounds)], capture_output=True, text=True, env=env, timeout=300
+        [*command, str(SCRIPT), str(out_dir), *rounds], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out)
+    return {r: torch.load(out_dir / f"rounds_{r}.pt") for r in ROUNDS}
 
 
-@pytest.mark.parametrize("max_rounds", [4, 0])
-def test_two_processes_keep_the_same_groups_and_make_the_same_update_as_one(tmp_path, max_rounds):
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[int, dict[int, dict]]:
+    return {n: _launch(tmp_path_factory.mktemp(f"dynamic_{n}"), n) for n in (1, 2)}
+
+
+@pytest.mark.parametrize("max_rounds", ROUNDS)
+def test_two_processes_keep_the_same_groups_and_make_the_same_update_as_one(layouts, max_rounds):
     """Each process holds half of every group's rows; both must keep the same groups, make the same number of
     rounds (no hang), and train the same update as one process."""
-    one, two = _run(tmp_path, 1, max_rounds), _run(tmp_path, 2, max_rounds)
+    one, two = layouts[1][max_rounds], layouts[2][max_rounds]
     assert one["rows"] == two["rows"]
     assert sum(1 for prompt, _, advantage in one["rows"] if advantage != 0) > 0
     for key in ("dropped_groups", "extra_rounds", "unfilled_groups"):

@@ -7,7 +7,17 @@ import warnings
 
 import pytest
 import torch
-from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args, train_logs
+from conftest import (
+    ONE_PROCESS_CASES,
+    TRAINING,
+    assert_same_step,
+    build_tiny_model,
+    id_sum_reward,
+    make_dataset,
+    make_trainer,
+    tiny_run_args,
+    train_logs,
+)
 from datasets import Dataset
 
 from grpo_hf.rollout import RepeatSampler, completion_mask, tokenize_prompts
@@ -427,45 +437,14 @@ def test_conversational_prompts_and_log_completions(tmp_path, tokenizer, tiny_ll
     assert train_logs(trainer)[0]["prompts/num_truncated"] == 0  # no limit: nothing cut
 
 
-def _run_distributed_step(
-    tmp_path, num_processes: int, loss_type: str, accumulation: int, path: str, *extra: str
-) -> dict:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / f"step_{num_processes}_{loss_type}_{accumulation}_{path}{''.join(extra)}.pt"
-    script = Path(__file__).parent / "distributed" / "grpo_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [*command, str(script), str(out), loss_type, str(accumulation), path, *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out)
-
-
-@pytest.mark.parametrize(
-    ("loss_type", "accumulation", "path"),
-    [("grpo", 1, "fast"), ("dapo", 1, "fast"), ("grpo", 2, "fast"), ("dapo", 2, "fast"), ("grpo", 1, "padded")],
-)
-def test_two_processes_match_one_process(tmp_path, loss_type, accumulation, path):
+@pytest.mark.parametrize("case", ONE_PROCESS_CASES)
+def test_two_processes_match_one_process(distributed_steps, case):
     """A group of 8 split over 2 gloo processes: same advantages, loss and (clipped) update as 1 process, on the
     fast path (shared prompt prefix and per-group backward, DDP's forward bypassed, gradients averaged by the
     trainer) and on the padded path (through DDP), with and without gradient accumulation."""
-    one = _run_distributed_step(tmp_path, 1, loss_type, accumulation, path)
-    two = _run_distributed_step(tmp_path, 2, loss_type, accumulation, path)
-    assert one["fast_path"] is two["fast_path"] is (path == "fast")
-    assert one["advantages"].abs().sum() > 0
-    torch.testing.assert_close(two["advantages"], one["advantages"], rtol=0, atol=1e-6)
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
-    for name, value in one["params"].items():
-        torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6)
+    one, two = distributed_steps[1][case], distributed_steps[2][case]
+    assert one["fast_path"] is two["fast_path"] is case.endswith("fast")
+    assert_same_step(one, two)
 
 
 # ---------------------------------------------------------------------------------------------------

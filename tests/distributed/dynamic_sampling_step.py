@@ -1,13 +1,13 @@
 """One GRPO step with dynamic sampling, run under torchrun with 1 or 2 CPU processes (gloo).
 
-    python tests/distributed/dynamic_sampling_step.py OUT.pt MAX_ROUNDS
+    python tests/distributed/dynamic_sampling_step.py OUT_DIR MAX_ROUNDS [MAX_ROUNDS ...]
 
 Half the prompts are "flat": every completion of theirs gets the same reward, so their groups carry no
 signal and dynamic sampling must drop them and refill with fresh prompts. Completions are a deterministic
 function of the prompt and the copy inside its group, so every process layout sees the same ones; the
 rest (rewards, gather, selection, refill, advantages, loss, backward, optimizer step) is the real trainer.
-Writes the trained rows (prompt, reward, advantage), the dynamic-sampling metrics, the loss and the
-parameters to argv[1].
+Each MAX_ROUNDS trains its own trainer, one after the other in this launch; each writes the trained rows (prompt,
+reward, advantage), the dynamic-sampling metrics, the loss and the parameters to `OUT_DIR/rounds_MAX_ROUNDS.pt`.
 """
 
 import json
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
@@ -51,6 +52,8 @@ def reward(prompts, completion_ids, kind, **kwargs):
 
 def build_trainer(out_dir: str, max_rounds: int, kinds: list[str], world_size: int = 1, **overrides) -> GRPOTrainer:
     register_engine("prompt_copy", PromptCopyEngine)
+    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator per trainer of the launch
+    GradientState._reset_state()
     dataset = Dataset.from_dict({"prompt": [f"Prompt {i} {k}" for i, k in enumerate(kinds)], "kind": kinds})
     settings = dict(
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
@@ -74,24 +77,30 @@ def build_trainer(out_dir: str, max_rounds: int, kinds: list[str], world_size: i
     return make_trainer(tiny_run_args(out_dir, settings, **overrides), reward, dataset, model_seed=5)
 
 
-def main(out_path: str, max_rounds: int) -> None:
-    # PartialState is a singleton: the Trainer creates it (use_cpu -> gloo); the world size comes from torchrun.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def train_and_save(out_dir: Path, max_rounds: int, world_size: int) -> GRPOTrainer:
     kinds = ["flat" if i % 2 == 0 else "varied" for i in range(12)]
-    out_dir = Path(out_path).parent / f"run_{world_size}_{max_rounds}"
-    trainer = build_trainer(str(out_dir), max_rounds, kinds, world_size)
+    run_dir = out_dir / f"run_{world_size}_{max_rounds}"
+    trainer = build_trainer(str(run_dir), max_rounds, kinds, world_size)
     trainer.train()
     if trainer.accelerator.is_main_process:
         logs = next(h for h in trainer.state.log_history if "loss" in h)
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        logged = [json.loads(line) for line in (out_dir / "completions.jsonl").read_text().splitlines()]
+        logged = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
         rows = [(row["prompt"], row["rewards"]["reward"], row["advantage"]) for row in logged]
-        torch.save({"rows": rows, "logs": logs, "params": params}, out_path)
-    # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
+        torch.save({"rows": rows, "logs": logs, "params": params}, out_dir / f"rounds_{max_rounds}.pt")
     trainer.accelerator.wait_for_everyone()
+    return trainer
+
+
+def main(out_dir: str, rounds: list[int]) -> None:
+    # PartialState is a singleton: the Trainer creates it (use_cpu -> gloo); the world size comes from torchrun.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    for max_rounds in rounds:
+        trainer = train_and_save(Path(out_dir), max_rounds, world_size)
+    # Leave together: a rank that exits while gloo still has the other connected can abort at shutdown.
     trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], [int(arg) for arg in sys.argv[2:]])
     exit_without_teardown()

@@ -1,9 +1,10 @@
 """One GRPO step on fixed rollouts, run under torchrun with 1 or 2 CPU processes (gloo).
 
-    python tests/distributed/grpo_step.py OUT.pt {grpo|dapo} {1|2 accumulation steps} {fast|padded} [stream]
+    python tests/distributed/grpo_step.py OUT_DIR CASE [CASE ...]
 
+Each CASE is `{grpo|dapo}-{1|2 accumulation steps}-{fast|padded}[-stream]`, trained by its own trainer one after the
+other in this launch (as users run several trainers in one process), its step written to `OUT_DIR/CASE/step.pt`.
 `stream`: the prompts come as a `datasets.IterableDataset` (`grpo_hf.streams`) instead of a `datasets.Dataset`.
-
 
 Generation is replaced by a deterministic function of the *global* row index, so every process
 layout sees the same completions; everything after it (rewards, gather, advantages, loss, DDP
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
@@ -69,9 +71,9 @@ def run_dir(out_path: str) -> Path:
     return Path(out_path).parent / "run"
 
 
-def save_step(trainer, out_path: str, **extra) -> None:
-    """Write the step's advantages (all processes'), loss and parameters to `out_path`, then leave together (a rank
-    that exits while gloo still has the other connected can abort at shutdown)."""
+def save_step(trainer, out_path: str, last: bool = True, **extra) -> None:
+    """Write the step's advantages (all processes'), loss and parameters to `out_path`; after the `last` trainer of
+    the launch, leave together (a rank that exits while gloo still has the other connected can abort at shutdown)."""
     advantages = torch.cat([part.advantages for part in trainer._buffer])
     all_advantages = trainer.accelerator.gather(advantages)
     if trainer.accelerator.is_main_process:
@@ -79,12 +81,15 @@ def save_step(trainer, out_path: str, **extra) -> None:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"advantages": all_advantages, "loss": loss, "params": params, **extra}, out_path)
     trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    if last:
+        trainer.accelerator.end_training()
 
 
 def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTrainer:
     """The tiny model, 4 prompts and fixed rollouts (`FixedEngine`), with one step of this layout's `settings`."""
     register_engine("fixed", FixedEngine)
+    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator per trainer of the launch
+    GradientState._reset_state()
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
     if stream:
         dataset = dataset.to_iterable_dataset()
@@ -96,24 +101,29 @@ def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTraine
     return make_trainer(args, reward, dataset, model_seed=5)
 
 
-def main(out_path: str, loss_type: str, accumulation: int, fast: bool, stream: bool = False) -> None:
+def main(out_dir: str, cases: list[str]) -> None:
     # PartialState is a singleton: it must first be created by the Trainer (use_cpu -> gloo), so
     # the process count comes from torchrun's environment here.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = build_trainer(
-        out_path,
-        stream,
-        per_device_train_batch_size=GLOBAL_BATCH // world_size // accumulation,
-        gradient_accumulation_steps=accumulation,
-        share_prompt_prefix=fast,  # the fast path (shared prompt, per-group backward) bypasses DDP's forward
-        learning_rate=100.0,
-        max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
-        loss_type=loss_type,
-    )
-    trainer.train()
-    save_step(trainer, out_path, fast_path=trainer.logps.blocker(trainer.model_wrapped) is None)
+    for i, case in enumerate(cases):
+        loss_type, accumulation, path, *stream = case.split("-")
+        out_path = Path(out_dir, case, "step.pt")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        trainer = build_trainer(
+            str(out_path),
+            stream == ["stream"],
+            per_device_train_batch_size=GLOBAL_BATCH // world_size // int(accumulation),
+            gradient_accumulation_steps=int(accumulation),
+            share_prompt_prefix=path == "fast",  # the fast path (shared prompt, per-group backward): no DDP forward
+            learning_rate=100.0,
+            max_grad_norm=1e-3,  # always clips: the gradient must be averaged over processes before it is clipped
+            loss_type=loss_type,
+        )
+        trainer.train()
+        fast_path = trainer.logps.blocker(trainer.model_wrapped) is None
+        save_step(trainer, str(out_path), last=i == len(cases) - 1, fast_path=fast_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "fast", sys.argv[5:] == ["stream"])
+    main(sys.argv[1], sys.argv[2:])
     exit_without_teardown()
