@@ -221,14 +221,23 @@ ONE_PROCESS_CASES = ["grpo-1-fast", "dapo-1-fast", "grpo-2-fast", "dapo-2-fast",
 TWO_PROCESS_CASES = [*ONE_PROCESS_CASES, "grpo-1-fast-stream", "dapo-2-fast-stream"]
 
 
-def _launch_steps(out_dir, num_processes: int, cases: list[str]) -> dict[str, dict]:
-    script = Path(__file__).parent / "distributed" / "grpo_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
+DISTRIBUTED = Path(__file__).parent / "distributed"  # the scripts torchrun launches
+
+
+def torchrun(script: str, *args, processes: int = 2, timeout: int = 600, check: bool = True):
+    """`tests/distributed/<script> args...` under `torch.distributed.run` on `processes` local CPU processes (one
+    thread each), its output captured; with `check`, a non-zero exit fails the test with the end of its stderr."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [*command, str(script), str(out_dir), *cases], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    argv = [*command, str(DISTRIBUTED / script), *map(str, args)]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _launch_steps(out_dir, num_processes: int, cases: list[str]) -> dict[str, dict]:
+    torchrun("grpo_step.py", out_dir, *cases, processes=num_processes)
     return {case: torch.load(out_dir / case / "step.pt") for case in cases}
 
 

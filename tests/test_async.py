@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
+from conftest import TRAINING, make_trainer, tiny_run_args, torchrun, train_logs
 
 from grpo_hf import AsyncGRPOTrainer
 from grpo_hf import producer as producer_module
@@ -203,17 +203,9 @@ def test_dynamic_sampling_refills_above_staleness_0_whatever_the_threads_timing(
 def test_two_processes_at_staleness_0_and_1(tmp_path):
     """DDP with 2 processes: the producer at staleness 0 is the synchronous run bit for bit; at 1 it trains, within
     the bound, with dynamic sampling too."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     out = tmp_path / "async.pt"
-    script = Path(__file__).parent / "distributed" / "async_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([*command, str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun("async_step.py", out)
     runs = torch.load(out)
     for name, value in runs["sync"]["params"].items():
         assert torch.equal(runs["producer0"]["params"][name], value), name

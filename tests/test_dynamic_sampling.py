@@ -4,20 +4,15 @@
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 from datasets import Dataset, IterableDataset
 from distributed.dynamic_sampling_step import G, build_trainer
 
 from grpo_hf import GRPOConfig
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, groups_with_signal, prompt_key
-
-SCRIPT = Path(__file__).parent / "distributed" / "dynamic_sampling_step.py"
 
 
 def naive_has_signal(group: list[float]) -> bool:
@@ -185,13 +180,7 @@ ROUNDS = [4, 0]
 
 def _launch(out_dir, num_processes: int) -> dict[int, dict]:
     """Every `ROUNDS` setting trained in one torchrun launch of `num_processes` processes: {max_rounds: its step}."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    rounds = [str(r) for r in ROUNDS]
-    result = subprocess.run(
-        [*command, str(SCRIPT), str(out_dir), *rounds], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun("dynamic_sampling_step.py", out_dir, *ROUNDS, processes=num_processes)
     return {r: torch.load(out_dir / f"rounds_{r}.pt") for r in ROUNDS}
 
 

@@ -9,15 +9,22 @@ the formula, evaluation, the adaptive coefficient across steps and across a resu
 import dataclasses
 import itertools
 import math
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAINING, build_tiny_model, id_sum_reward, make_dataset, make_trainer, tiny_run_args, train_logs
+from conftest import (
+    TRAINING,
+    build_tiny_model,
+    id_sum_reward,
+    make_dataset,
+    make_trainer,
+    tiny_run_args,
+    torchrun,
+    train_logs,
+)
 from oracle import F64, TIGHT, make_batch, naive_entropy_bonus, naive_loss, naive_quantile_mask
 from test_logprobs import _batch as logprob_batch
 from test_resume import assert_same_run, checkpointed_trainer
@@ -432,13 +439,7 @@ def test_two_processes_take_the_threshold_and_the_adaptive_entropy_over_both(tmp
     import entropy_step
 
     entropy_step.main(str(tmp_path / "one.pt"), fast=True)
-    script = Path(__file__).parent / "distributed" / "entropy_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [*command, str(script), str(tmp_path / "two.pt"), "fast"], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun("entropy_step.py", tmp_path / "two.pt", "fast", timeout=300)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert two["log"]["loss"] == pytest.approx(one["log"]["loss"], rel=1e-5)
     assert two["control"]["entropy_coef"] == one["control"]["entropy_coef"] == pytest.approx(0.05)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, torchrun
 from transformers import GenerationConfig
 
 from grpo_hf.rollout.episode_cache import MIN_SHARED_PREFIX, Entry, EpisodeCache
@@ -225,17 +225,9 @@ def test_training_with_the_cache_is_training_without_it(tmp_path, staleness):
 def test_two_processes_with_the_cache_train_as_without_it(tmp_path):
     """DDP with 2 processes (each its own episodes and cache; the metrics summed over both): the cache on and off
     give the same runs at max_staleness 0 and 1."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     out = tmp_path / "episode_cache.pt"
-    script = Path(__file__).parent / "distributed" / "episode_cache_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([*command, str(out)], capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun("episode_cache_step.py", out, timeout=900)
     runs = torch.load(out)
     _assert_same_runs(runs, "on0", "off0")
     _assert_same_runs(runs, "on1", "off1")

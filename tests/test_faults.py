@@ -1,14 +1,12 @@
 """Two gloo processes, one of which misbehaves: every process stops within a bounded time, saying which process
 failed and why, and every checkpoint left on disk is complete (tests/distributed/faults.py)."""
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 
 from grpo_hf.checkpoint import missing_files
 
@@ -25,12 +23,8 @@ CASES = {
 
 @pytest.mark.parametrize("mode", list(CASES))
 def test_every_process_stops_soon_with_a_message_naming_the_failure(tmp_path, mode):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
-    result = subprocess.run(
-        [*command, str(SCRIPT), str(tmp_path / "run"), mode], capture_output=True, text=True, env=env, timeout=BOUND_S
-    )
+    result = torchrun(SCRIPT.name, tmp_path / "run", mode, timeout=BOUND_S, check=False)
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
     assert result.returncode != 0 and elapsed < BOUND_S

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import trl
-from conftest import tiny_run_args
+from conftest import tiny_run_args, torchrun
 from datasets import Dataset
 from tiny_vlm import image, tiny_gemma3, tiny_idefics3, tiny_qwen2_vl
 
@@ -471,17 +471,9 @@ def test_the_loop_numbers_decoding_positions_as_the_model_numbers_the_whole_sequ
 
 
 def _vlm_step(tmp_path, num_processes: int) -> dict:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     out = tmp_path / f"vlm_step_{num_processes}.pt"
-    script = Path(__file__).parent / "distributed" / "vlm_step.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([*command, str(script), str(out)], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun("vlm_step.py", out, processes=num_processes, timeout=300)
     return torch.load(out)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model, tiny_run_args
+from conftest import build_tiny_model, tiny_run_args, torchrun
 from test_async import comparable
 from transformers import GenerationConfig
 
@@ -70,16 +70,7 @@ def server(tmp_path_factory, tokenizer):
 def _train(tmp_path, server, num_processes, layout="ddp", staleness="sync"):
     url, model_dir = server
     prefix = tmp_path / f"run{num_processes}-{layout}-{staleness}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [*command, str(SCRIPT), str(prefix), url, str(model_dir), layout, str(staleness)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun(SCRIPT.name, prefix, url, model_dir, layout, staleness, processes=num_processes, timeout=300)
     results = [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
     for rank, result in enumerate(results):
         result["params"] = torch.load(f"{prefix}-{rank}.pt")
