@@ -224,6 +224,16 @@ TWO_PROCESS_CASES = [*ONE_PROCESS_CASES, "grpo-1-fast-stream", "dapo-2-fast-stre
 DISTRIBUTED = Path(__file__).parent / "distributed"  # the scripts torchrun launches
 
 
+def fresh_accelerator() -> None:
+    """A new accelerator (DDP, FSDP2, ...) for the next trainer of a `tests/distributed` launch that trains several:
+    accelerate's state reset, its process group (`PartialState`) kept."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    os.environ.pop("ACCELERATE_USE_FSDP", None)  # an Accelerator given an FSDP plugin sets it, for every later one
+
+
 def torchrun(script: str, *args, processes: int = 2, timeout: int = 600, check: bool = True):
     """`tests/distributed/<script> args...` under `torch.distributed.run` on `processes` local CPU processes (one
     thread each), its output captured; with `check`, a non-zero exit fails the test with the end of its stderr."""

@@ -203,7 +203,6 @@ def test_dynamic_sampling_refills_above_staleness_0_whatever_the_threads_timing(
 def test_two_processes_at_staleness_0_and_1(tmp_path):
     """DDP with 2 processes: the producer at staleness 0 is the synchronous run bit for bit; at 1 it trains, within
     the bound, with dynamic sampling too."""
-
     out = tmp_path / "async.pt"
     torchrun("async_step.py", out)
     runs = torch.load(out)

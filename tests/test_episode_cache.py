@@ -225,7 +225,6 @@ def test_training_with_the_cache_is_training_without_it(tmp_path, staleness):
 def test_two_processes_with_the_cache_train_as_without_it(tmp_path):
     """DDP with 2 processes (each its own episodes and cache; the metrics summed over both): the cache on and off
     give the same runs at max_staleness 0 and 1."""
-
     out = tmp_path / "episode_cache.pt"
     torchrun("episode_cache_step.py", out, timeout=900)
     runs = torch.load(out)

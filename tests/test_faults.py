@@ -3,14 +3,12 @@ failed and why, and every checkpoint left on disk is complete (tests/distributed
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 from conftest import torchrun
 
 from grpo_hf.checkpoint import missing_files
 
-SCRIPT = Path(__file__).parent / "distributed" / "faults.py"
 BOUND_S = 150  # the script sets ddp_timeout=60 s; a launch on this machine takes ~10 s
 
 CASES = {
@@ -24,7 +22,7 @@ CASES = {
 @pytest.mark.parametrize("mode", list(CASES))
 def test_every_process_stops_soon_with_a_message_naming_the_failure(tmp_path, mode):
     start = time.monotonic()
-    result = torchrun(SCRIPT.name, tmp_path / "run", mode, timeout=BOUND_S, check=False)
+    result = torchrun("faults.py", tmp_path / "run", mode, timeout=BOUND_S, check=False)
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
     assert result.returncode != 0 and elapsed < BOUND_S

@@ -471,7 +471,6 @@ def test_the_loop_numbers_decoding_positions_as_the_model_numbers_the_whole_sequ
 
 
 def _vlm_step(tmp_path, num_processes: int) -> dict:
-
     out = tmp_path / f"vlm_step_{num_processes}.pt"
     torchrun("vlm_step.py", out, processes=num_processes, timeout=300)
     return torch.load(out)

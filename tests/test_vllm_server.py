@@ -24,8 +24,6 @@ from grpo_hf.rollout.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.vllm
 
-SCRIPT = Path(__file__).parent / "distributed" / "vllm_server_step.py"
-
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -70,7 +68,7 @@ def server(tmp_path_factory, tokenizer):
 def _train(tmp_path, server, num_processes, layout="ddp", staleness="sync"):
     url, model_dir = server
     prefix = tmp_path / f"run{num_processes}-{layout}-{staleness}"
-    torchrun(SCRIPT.name, prefix, url, model_dir, layout, staleness, processes=num_processes, timeout=300)
+    torchrun("vllm_server_step.py", prefix, url, model_dir, layout, staleness, processes=num_processes, timeout=300)
     results = [json.loads(Path(f"{prefix}-{rank}.json").read_text()) for rank in range(num_processes)]
     for rank, result in enumerate(results):
         result["params"] = torch.load(f"{prefix}-{rank}.pt")

@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
+from conftest import exit_without_teardown, fresh_accelerator, make_trainer, tiny_run_args  # noqa: E402
 
 from grpo_hf import GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
@@ -52,8 +51,7 @@ def reward(prompts, completion_ids, kind, **kwargs):
 
 def build_trainer(out_dir: str, max_rounds: int, kinds: list[str], world_size: int = 1, **overrides) -> GRPOTrainer:
     register_engine("prompt_copy", PromptCopyEngine)
-    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator per trainer of the launch
-    GradientState._reset_state()
+    fresh_accelerator()  # per trainer of the launch
     dataset = Dataset.from_dict({"prompt": [f"Prompt {i} {k}" for i, k in enumerate(kinds)], "kind": kinds})
     settings = dict(
         per_device_train_batch_size=GLOBAL_BATCH // world_size,

@@ -8,7 +8,7 @@ other in this launch (as users run several trainers in one process), its step wr
 
 Generation is replaced by a deterministic function of the *global* row index, so every process
 layout sees the same completions; everything after it (rewards, gather, advantages, loss, DDP
-backward, optimizer step) is the real trainer. Writes advantages, loss and parameters to argv[1].
+backward, optimizer step) is the real trainer. Writes advantages, loss and parameters of each case.
 """
 
 import os
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
+from conftest import exit_without_teardown, fresh_accelerator, make_trainer, tiny_run_args  # noqa: E402
 
 from grpo_hf import GRPOTrainer  # noqa: E402
 from grpo_hf.rollout import RolloutEngine, register_engine  # noqa: E402
@@ -88,8 +87,7 @@ def save_step(trainer, out_path: str, last: bool = True, **extra) -> None:
 def build_trainer(out_path: str, stream: bool = False, **settings) -> GRPOTrainer:
     """The tiny model, 4 prompts and fixed rollouts (`FixedEngine`), with one step of this layout's `settings`."""
     register_engine("fixed", FixedEngine)
-    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator per trainer of the launch
-    GradientState._reset_state()
+    fresh_accelerator()  # per trainer of the launch
     dataset = Dataset.from_dict({"prompt": [f"Prompt number {i}" for i in range(4)]})
     if stream:
         dataset = dataset.to_iterable_dataset()

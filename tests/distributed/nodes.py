@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import TRAINING, build_tiny_model, build_tiny_tokenizer, exit_without_teardown, load_recipe  # noqa: E402
+from conftest import (  # noqa: E402
+    TRAINING,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    exit_without_teardown,
+    fresh_accelerator,
+    load_recipe,
+)
 
 RANK = int(os.environ.get("RANK", "0"))
 CASES = {
@@ -62,15 +69,6 @@ def record_writes(roots: list[str]) -> list[str]:
 
     torch.save = audited_save
     return writes
-
-
-def fresh_accelerator() -> None:
-    """A new accelerator per case (DDP, FSDP2, ...), as tests/distributed/sharded.py's `build_trainer` makes."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    os.environ.pop("ACCELERATE_USE_FSDP", None)
 
 
 def full_parameters(trainer) -> torch.Tensor:

@@ -24,14 +24,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from datasets import Dataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's builders
 
-from conftest import build_tiny_model, build_tiny_tokenizer, exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
+from conftest import (  # noqa: E402
+    build_tiny_model,
+    build_tiny_tokenizer,
+    exit_without_teardown,
+    fresh_accelerator,
+    make_trainer,
+    tiny_run_args,
+)
 
 from grpo_hf import GRPOTrainer  # noqa: E402
 
@@ -128,9 +135,7 @@ def reward(completion_ids, **kwargs):
 
 
 def build_trainer(run_dir: Path, lora: bool = False, **settings) -> GRPOTrainer:
-    AcceleratorState._reset_state(reset_partial_state=False)  # a fresh accelerator (DDP or FSDP2) per trainer
-    GradientState._reset_state()
-    os.environ.pop("ACCELERATE_USE_FSDP", None)  # an Accelerator given an FSDP plugin sets it, for every later one
+    fresh_accelerator()  # DDP or FSDP2, per trainer
     peft_config = None
     if lora:
         from peft import LoraConfig
