@@ -5,6 +5,7 @@ data, evaluation and plotting are the GSM8K recipe's (`recipes/gsm8k_support`), 
 with `recipes/` on `sys.path`.
 """
 
+import gc
 import importlib.util
 import json
 import re
@@ -14,7 +15,9 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import transformers
 from conftest import build_tiny_model, build_tiny_tokenizer
+from test_families import ATTENTION, COMMON, EXPERTS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo_hf import models
@@ -220,6 +223,30 @@ def test_load_model_and_tokenizer_from_a_local_dir(tmp_path):
     model = models.load_model(str(tmp_path), dtype="bfloat16")
     assert model.dtype == torch.bfloat16
     assert models.load_model(str(tmp_path)).dtype == torch.float32  # "auto": the checkpoint's dtype
+
+
+def checkpoint_is_mapped(file: Path) -> bool:
+    """Whether this process still maps `file` (Linux's /proc/self/maps)."""
+    gc.collect()
+    return str(file) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_checkpoint_whose_experts_are_merged_at_load_is_not_left_mapped(tmp_path):
+    config = transformers.Qwen3MoeConfig(**COMMON, **ATTENTION, **EXPERTS, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)  # per-expert tensors on disk
+    assert models.merges_weights_at_load("qwen3_moe") and models.merges_weights_at_load("mixtral")
+    assert not models.merges_weights_at_load("qwen3") and not models.merges_weights_at_load("qwen3_5")
+
+    model = models.load_model(str(tmp_path), dtype="float32")
+    assert not checkpoint_is_mapped(tmp_path / "model.safetensors")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert checkpoint_is_mapped(tmp_path / "model.safetensors")  # what the copy prevents
+    want = plain.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
 
 
 def test_unreachable_hub_model_names_the_offline_options(monkeypatch):
