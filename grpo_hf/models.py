@@ -96,8 +96,8 @@ def release_checkpoint_mapping(model: torch.nn.Module) -> None:
     any view keeps the map open: on CPU, for the whole run, about the converted weights' size on top of their copies
     (321 MiB for the benchmark's 135M-parameter Qwen3-MoE, for the policy and again for the reference model). One
     weight at a time is copied, so the load's peak grows by one weight. Weights on an accelerator or on the meta
-    device, and quantized models, are left as they are."""
-    if is_quantized(model):
+    device, DeepSpeed ZeRO-3's partitioned ones and quantized models are left as they are."""
+    if is_quantized(model) or any(hasattr(param, "ds_id") for param in model.parameters()):
         return
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
