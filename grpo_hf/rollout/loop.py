@@ -1,7 +1,7 @@
 """The `loop` engine: grpo_hf's decoding loop for CPUs (and any device), exact to `model.generate`.
 
 Each distinct prompt is prefilled once and its cache copied to the G rows of its group, for every kind of cache
-layer transformers builds (`cache_layers.REPEATABLE`: full attention, sliding-window and chunked attention, Gated
+layer transformers builds (`cache_layers.SELECTABLE`: full attention, sliding-window and chunked attention, Gated
 DeltaNet, convolution and Mamba states); full-attention layers' keys and values live in preallocated tensors instead
 of growing by concatenation, the other layers are transformers' own; finished rows leave the decoding batch
 (`cache_layers.select_rows`) when enough steps remain to pay for it; a token costs one uniform draw per row (inverse
@@ -20,7 +20,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.cache_layers import REPEATABLE, cache_layer_classes, select_rows
+from grpo_hf.cache_layers import SELECTABLE, cache_layer_classes, select_rows
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.episode_cache import DEFAULT_BUDGET_GB, EpisodeCache, cache_entry, row_entry
 from grpo_hf.rollout.sampling import (
@@ -55,7 +55,7 @@ class LoopEngine(RolloutEngine):
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
-        return unsupported_reason(model, generation_config, layers=REPEATABLE)
+        return unsupported_reason(model, generation_config, layers=SELECTABLE)
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images=None) -> torch.Tensor:
         logps = None

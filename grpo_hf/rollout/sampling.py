@@ -60,7 +60,7 @@ def unsupported_reason(model, generation_config, *, layers: tuple[type, ...] = (
     anything but the sampling settings of `_SAMPLING_DEFAULTS` and the neutral ones; and the model must
     be decoder-only, with the `DynamicCache` that `generate` builds for it, every layer of which is one of the
     cache layer classes `layers` that the engine serves (`cuda_graph`: full attention; `loop`:
-    `cache_layers.REPEATABLE`). The reason names the layers it does not serve, by class and index.
+    `cache_layers.SELECTABLE`). The reason names the layers it does not serve, by class and index.
     """
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
