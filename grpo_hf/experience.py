@@ -34,7 +34,7 @@ from grpo_hf.completion_log import completion_rows
 from grpo_hf.core import combine_rewards, decoupled_advantages, group_advantages
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
-from grpo_hf.metrics import Metrics, check_finite_rewards, reward_metrics
+from grpo_hf.metrics import Metrics, check_finite_rewards, length_metrics, reward_metrics
 from grpo_hf.parallel import stop_together, sum_over_processes
 from grpo_hf.peft_utils import reference_adapter
 from grpo_hf.rewards import compute_rewards
@@ -374,14 +374,14 @@ class ExperienceMaker:
         )
 
     def _record_lengths(self, metrics, sampled: Sampled) -> None:
-        """Completion lengths (the model's tokens: tool replies not counted, as TRL), truncation, and with tools
+        """Completion lengths (the model's tokens: tool replies not counted, as TRL), those of the completions that
+        ended with EOS, truncation (`metrics.length_metrics`), and with tools
         `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed calls per call)."""
         accelerator = self.accelerator
         float_lengths = accelerator.gather(sampled.tokens.completion_mask.sum(dim=1)).float()  # [N]
-        metrics["completions/mean_length"].append(float_lengths.mean().item())
-        metrics["completions/min_length"].append(float_lengths.min().item())
-        metrics["completions/max_length"].append(float_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(accelerator.gather(sampled.is_truncated).float().mean().item())
+        is_truncated = accelerator.gather(sampled.is_truncated)  # [N]
+        for key, value in length_metrics(float_lengths, is_truncated).items():
+            metrics[key].append(value)
         truncated_prompts = sum_over_processes(accelerator, int(sampled.is_prompt_truncated.sum()))
         metrics["prompts/num_truncated"].append(float(truncated_prompts))
         if sampled.tool_calls is not None:

@@ -106,6 +106,21 @@ def reward_metrics(rewards: Tensor, total: Tensor, names: Sequence[str], num_gen
     return metrics
 
 
+def length_metrics(lengths: Tensor, is_truncated: Tensor) -> dict[str, float]:
+    """TRL's completion-length metrics of a generation batch, from every process's completions: their lengths [N]
+    (the model's tokens) and `is_truncated` [N] (no EOS within max_completion_length). The `*_terminated_length`s
+    are those of the completions that ended with EOS; when none did, TRL logs 0 for all three, and so do these."""
+    lengths, truncated = lengths.float(), is_truncated.bool()
+    terminated = lengths[~truncated]
+    if terminated.numel() == 0:
+        terminated = lengths.new_zeros(1)
+    names = ("mean_length", "min_length", "max_length", "mean_terminated_length", "min_terminated_length")
+    names += ("max_terminated_length", "clipped_ratio")
+    values = [lengths.mean(), lengths.min(), lengths.max(), terminated.mean(), terminated.min(), terminated.max()]
+    values.append(truncated.float().mean())
+    return {f"completions/{name}": value for name, value in zip(names, torch.stack(values).tolist(), strict=True)}
+
+
 def check_finite_rewards(rewards: Tensor, names: Sequence[str]) -> None:
     """Raise when a reward in `rewards` [N, R] is infinite in its dtype (NaN means None and is allowed), naming the
     reward function and the row: e.g. 1e300 is finite in Python but inf in float32, and would turn the advantages,

@@ -14,6 +14,8 @@ It holds the entropy control and the settings; the trainer gives it the micro-ba
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -166,6 +168,26 @@ class Objective:
                 control.step(accelerator.reduce(window, "sum") if accelerator.num_processes > 1 else window)
         if control.enabled and accelerator.sync_gradients:
             metrics["entropy_coef"].append(control.entropy_coef)
+
+
+CLIP_EXTREMES = {"clip_ratio/low_min": min, "clip_ratio/high_max": max}
+"""The loss's metrics that are an extreme over sequences (TRL's), and how a process's own values combine."""
+
+
+def gathered_clip_extremes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` of one micro-step, with TRL's `clip_ratio/low_min` / `high_max` taken over the sequences of every
+    process (TRL gathers the per-sequence fractions, then takes the nanmin / nanmax): the smallest / largest of the
+    processes' own, a NaN (a process without a completion token) left out. Every process calls it at each
+    micro-step; on one process `metrics` is returned as it is."""
+    names = [name for name in CLIP_EXTREMES if name in metrics]
+    if accelerator.num_processes == 1 or not names:
+        return metrics
+    local = torch.tensor([[metrics[name] for name in names]], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(local).tolist()  # [P, len(names)]
+    for k, name in enumerate(names):
+        values = [row[k] for row in gathered if not math.isnan(row[k])]
+        metrics[name] = CLIP_EXTREMES[name](values) if values else math.nan
+    return metrics
 
 
 def gathered_high_entropy_mask(accelerator, entropies: Tensor, mask: Tensor, quantile: float) -> Tensor:

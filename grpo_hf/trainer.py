@@ -40,7 +40,7 @@ from grpo_hf.heads import cast_lm_head_to_fp32, router_aux_loss_coef
 from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, tokenizer_of
-from grpo_hf.objective import Objective, gathered_high_entropy_mask
+from grpo_hf.objective import Objective, gathered_clip_extremes, gathered_high_entropy_mask
 from grpo_hf.parallel import average_gradients, check_same_dataset, is_zero3, prepare_reference
 from grpo_hf.precision import PrecisionGuard
 from grpo_hf.producer import Producing
@@ -337,7 +337,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         if batch.nonfinite or self.guard.loss(loss, batch, self.accelerator.unwrap_model(self.model), step):
             self.guard.skip_update = True
         train_metrics = self._metrics["train"]
-        for key, value in metrics.items():
+        for key, value in gathered_clip_extremes(self.accelerator, metrics).items():
             train_metrics[key].append(value)
         objective.record_entropy(entropy, batch.completion_mask, policy_mask, train_metrics)
         return loss

@@ -151,8 +151,10 @@ def naive_loss(
     counts = dict.fromkeys(("low", "high", "cispo"), 0)
     kl_total, phis = 0.0, []
     rows = []  # rows[i]: sum_t m l[i, t] (sequence_sum: l_i)
+    sequence_clips = {"low": [], "high": []}  # per row: the fraction of its tokens clipped on that side
     for i in range(N):
         a, ts = A[i], tokens[i]
+        before = dict(counts)
         log_ratio_sum = sum((lp[i][t] - old[i][t] for t in ts), zero)
         s = {"sequence": torch.exp(log_ratio_sum / max(len(ts), 1)), "sequence_sum": torch.exp(log_ratio_sum)}
         phi = vespo_phi(i)
@@ -187,6 +189,12 @@ def naive_loss(
             counts["low"] += count * (r.item() < 1 - eps_low and a < 0)
             counts["high"] += count * (r.item() > 1 + eps_high and a > 0)
             counts["cispo"] += count * (r.item() > eps_high and a > 0)
+        if level == "token":  # the fraction of the row's tokens clipped on each side; NaN for an empty row
+            for side in ("low", "high"):
+                sequence_clips[side].append((counts[side] - before[side]) / len(ts) if ts else math.nan)
+        else:  # a sequence-level ratio: the row's own flag, even for an empty row (TRL)
+            sequence_clips["low"].append(float(s[level].item() < 1 - eps_low and a < 0))
+            sequence_clips["high"].append(float(s[level].item() > 1 + eps_high and a > 0))
         rows.append(row if ts else zero)
 
     if level == "sequence_sum":
@@ -206,6 +214,9 @@ def naive_loss(
         metrics["clip_ratio/low_mean"] = counts["low"] / total_tokens
         metrics["clip_ratio/high_mean"] = counts["high"] / total_tokens
         metrics["clip_ratio/region_mean"] = (counts["low"] + counts["high"]) / total_tokens  # disjoint: A < 0, A > 0
+        lows, highs = ([x for x in sequence_clips[side] if not math.isnan(x)] for side in ("low", "high"))
+        metrics["clip_ratio/low_min"] = min(lows) if lows else math.nan
+        metrics["clip_ratio/high_max"] = max(highs) if highs else math.nan
     elif loss_type == "cispo":
         metrics["cispo_clip_ratio"] = counts["cispo"] / total_tokens
     elif loss_type == "vespo":

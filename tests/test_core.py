@@ -89,7 +89,8 @@ def test_on_policy_gradient_is_plain_policy_gradient(loss_type, level):
     loss, metrics = grpo_loss(logps, None, None, advantages, mask, **kwargs)
     loss.backward()
     torch.testing.assert_close(logps.grad, -advantages[:, None] * mask / normaliser, **TIGHT)
-    assert metrics == {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0}
+    clip_names = ("low_mean", "high_mean", "region_mean", "low_min", "high_max")
+    assert metrics == {f"clip_ratio/{name}": 0.0 for name in clip_names}
     if loss_type == "grpo":  # the value itself: -mean_i A_i over rows that have tokens (the empty row gives 0)
         assert loss.item() == pytest.approx(-(advantages * (lengths[:, 0] > 0)).sum().item() / N, abs=1e-12)
 
@@ -119,6 +120,35 @@ def test_hand_worked_clipping():
         torch.testing.assert_close(logps.grad, -torch.tensor([expected_grad], dtype=F64) / 3, **TIGHT)
         assert metrics["clip_ratio/region_mean"] == pytest.approx(1 / 3)
         assert metrics["clip_ratio/high_mean" if a > 0 else "clip_ratio/low_mean"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_hand_worked_per_sequence_clip_extremes(sign):
+    """TRL's clip_ratio/low_min and high_max: per row, the fraction of its completion tokens clipped on that side
+    (padding left out, an empty row NaN and skipped); then the smallest low one and the largest high one. eps 0.2."""
+    ratios = torch.tensor(
+        [
+            [0.5, 1.5, 1.0, 9.0],  # low 1/3, high 1/3 (the padded 9.0 would make high 2/4)
+            [0.5, 0.6, 1.5, 1.0],  # low 2/4, high 1/4
+            [0.1, 0.1, 0.1, 0.1],  # no completion token: NaN, left out (else the min would be 0)
+            [0.7, 1.3, 1.0, 9.0],  # low 1/3, high 1/3
+        ],
+        dtype=F64,
+    )
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=F64)
+    advantages = torch.full((4,), sign, dtype=F64)
+    _, metrics = grpo_loss(torch.zeros(4, 4, dtype=F64), -ratios.log(), None, advantages, mask, beta=0.0)
+    if sign < 0:  # only the low side clips
+        assert metrics["clip_ratio/low_min"] == pytest.approx(1 / 3, abs=1e-12)
+        assert metrics["clip_ratio/high_max"] == 0.0
+        assert metrics["clip_ratio/low_mean"] == pytest.approx(4 / 10, abs=1e-12)  # 1 + 2 + 1 of 3 + 4 + 3 tokens
+    else:  # only the high side clips
+        assert metrics["clip_ratio/high_max"] == pytest.approx(1 / 3, abs=1e-12)
+        assert metrics["clip_ratio/low_min"] == 0.0
+        assert metrics["clip_ratio/high_mean"] == pytest.approx(3 / 10, abs=1e-12)
+    empty = torch.zeros(4, 4, dtype=F64)  # no completion token anywhere: NaN, as TRL's nanmin / nanmax
+    _, metrics = grpo_loss(torch.zeros(4, 4, dtype=F64), -ratios.log(), None, advantages, empty, beta=0.0)
+    assert math.isnan(metrics["clip_ratio/low_min"]) and math.isnan(metrics["clip_ratio/high_max"])
 
 
 def test_hand_worked_kl():

@@ -4,12 +4,15 @@ The multi-process reductions are exercised by the 2-process runs (`tests/test_tr
 whose logged metrics must equal the 1-process run's.
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import make_trainer, tiny_run_args, train_logs
 
-from grpo_hf.metrics import Metrics
+from grpo_hf.metrics import Metrics, length_metrics
+from grpo_hf.objective import gathered_clip_extremes
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))  # what Metrics reads of an Accelerator
 
@@ -46,3 +49,61 @@ def test_the_unlogged_train_values_survive_a_checkpoint():
     restored["train"]["reward"].append(3.0)  # still a list that grows, per name
     assert restored.pop_means("train", ONE_PROCESS) == {"reward": 2.0}
     assert restored.pop_means("eval", ONE_PROCESS) == {}
+
+
+def test_length_metrics_are_trls_with_the_terminated_completions_apart():
+    """TRL's completion-length metrics, hand-computed: lengths 3, 8, 5, 8 of which the two 8s hit the limit without
+    EOS; the terminated lengths are those of the other two; with none terminated TRL logs 0 for all three."""
+    lengths = torch.tensor([3, 8, 5, 8])
+    truncated = torch.tensor([False, True, False, True])
+    assert length_metrics(lengths, truncated) == {
+        "completions/mean_length": 6.0,
+        "completions/min_length": 3.0,
+        "completions/max_length": 8.0,
+        "completions/mean_terminated_length": 4.0,
+        "completions/min_terminated_length": 3.0,
+        "completions/max_terminated_length": 5.0,
+        "completions/clipped_ratio": 0.5,
+    }
+    none_terminated = length_metrics(torch.tensor([8, 8]), torch.tensor([True, True]))
+    assert {k: v for k, v in none_terminated.items() if "terminated" in k} == {
+        "completions/mean_terminated_length": 0.0,
+        "completions/min_terminated_length": 0.0,
+        "completions/max_terminated_length": 0.0,
+    }
+    assert none_terminated["completions/clipped_ratio"] == 1.0
+
+
+def test_clip_extremes_are_taken_over_every_process():
+    """clip_ratio/low_min and high_max of a micro-step: the smallest / largest over the processes' own (TRL gathers
+    the sequences' fractions first: the same numbers), a process without completion tokens (NaN) left out; the
+    means are left to the row's average over processes."""
+    others = {"clip_ratio/low_min": 0.25, "clip_ratio/high_max": float("nan")}
+
+    def gather(local):  # this process's row, then the other process's
+        other = torch.tensor([[others["clip_ratio/low_min"], others["clip_ratio/high_max"]]], dtype=local.dtype)
+        return torch.cat([local, other])
+
+    two = SimpleNamespace(num_processes=2, device=torch.device("cpu"), gather=gather)
+    mine = {"clip_ratio/low_mean": 0.5, "clip_ratio/low_min": 0.5, "clip_ratio/high_max": 0.125}
+    assert gathered_clip_extremes(two, dict(mine)) == {
+        "clip_ratio/low_mean": 0.5,
+        "clip_ratio/low_min": 0.25,
+        "clip_ratio/high_max": 0.125,
+    }
+    both_nan = gathered_clip_extremes(two, {"clip_ratio/low_min": 0.5, "clip_ratio/high_max": float("nan")})
+    assert both_nan["clip_ratio/low_min"] == 0.25 and math.isnan(both_nan["clip_ratio/high_max"])
+    assert gathered_clip_extremes(ONE_PROCESS, dict(mine)) == mine
+    assert gathered_clip_extremes(two, {"cispo_clip_ratio": 0.5}) == {"cispo_clip_ratio": 0.5}  # no gather at all
+
+
+def test_a_training_run_logs_trls_extra_clip_and_length_metrics(tmp_path):
+    """The keys reach the log rows: here every completion reaches max_completion_length=4 (clipped_ratio 1), so the
+    terminated lengths are TRL's 0; the first step is on-policy (ratio 1), so nothing is clipped."""
+    trainer = make_trainer(tiny_run_args(tmp_path, max_steps=1))
+    trainer.train()
+    (row,) = train_logs(trainer)
+    assert row["completions/clipped_ratio"] == 1.0 and row["completions/max_length"] == 4.0
+    for name in ("mean", "min", "max"):
+        assert row[f"completions/{name}_terminated_length"] == 0.0
+    assert row["clip_ratio/low_min"] == 0.0 and row["clip_ratio/high_max"] == 0.0

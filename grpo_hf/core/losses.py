@@ -197,8 +197,8 @@ def grpo_loss_with(
     off-policy mask then measures the drift from instead of old_logps (TRL).
     old_logps, ref_logps, advantages are detached; computed in the dtype of `logps`. Metrics (floats, TRL names):
     "kl" when beta != 0 (after the bias correction), and the loss type's ("clip_ratio/low_mean", "high_mean",
-    "region_mean" for the clip family, "cispo_clip_ratio", "vespo/phi_seq_mean"; none for "sapo").
-    """
+    "region_mean", "low_min", "high_max" for the clip family, "cispo_clip_ratio", "vespo/phi_seq_mean"; none for
+    "sapo")."""
     mask = completion_mask.to(logps.dtype)  # [N, T]
     lengths = mask.sum(-1)  # [N]  |o_i|
     advantages = advantages.detach().to(logps.dtype)[:, None]  # [N, 1]
@@ -311,13 +311,18 @@ def _clipped_surrogate(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """grpo, bnpo, dr_grpo, dapo, luspo: min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A).
 
-    Metrics: TRL's clip ratios, fractions of completion tokens (of the ratio before the delta cap)."""
+    Metrics: TRL's clip ratios, of the ratio before the delta cap: the `*_mean`s are fractions of completion tokens;
+    `low_min` / `high_max` the smallest low-clipped / largest high-clipped fraction of one sequence's tokens
+    (`_sequence_means`), of this micro-batch's sequences (the trainer takes them over every process's)."""
     low = (ratio < 1 - settings.epsilon) & (advantages < 0)  # [N, T] or [N, 1]
     high = (ratio > 1 + settings.clip_high) & (advantages > 0)
+    per_token = settings.importance_sampling_level == "token"
     metrics = {
         "clip_ratio/low_mean": _token_mean(low, mask),
         "clip_ratio/high_mean": _token_mean(high, mask),
         "clip_ratio/region_mean": _token_mean(low | high, mask),
+        "clip_ratio/low_min": _nan_extreme(_sequence_means(low, mask, per_token), largest=False),
+        "clip_ratio/high_max": _nan_extreme(_sequence_means(high, mask, per_token), largest=True),
     }
     return _clipped_objective(ratio, advantages, settings.epsilon, settings.clip_high, settings.delta), metrics
 
@@ -413,6 +418,25 @@ def off_policy_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, thresho
 def _token_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of `x` (broadcasting to `[N, T]`) over the completion tokens: a metric, no gradient."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def _sequence_means(x: Tensor, mask: Tensor, per_token: bool) -> Tensor:
+    """Per sequence, the mean of `x` `[N, T]` over its completion tokens `[N]`: NaN for a sequence without any (TRL's
+    `masked_seq_mean`). Not `per_token` (a sequence-level ratio), `x` `[N, 1]` holds one value per sequence already."""
+    if not per_token:
+        return x[:, 0].to(mask.dtype)
+    return (x * mask).sum(-1) / mask.sum(-1)
+
+
+@torch.no_grad()
+def _nan_extreme(values: Tensor, largest: bool) -> Tensor:
+    """The largest (or smallest) of `values` `[N]`, NaN left out; NaN when all are NaN (TRL's `nanmax` / `nanmin`).
+    A 0-d tensor, without a host sync."""
+    ignored = -math.inf if largest else math.inf  # the values are fractions: never infinite themselves
+    extreme = torch.where(torch.isnan(values), ignored, values)
+    extreme = extreme.max() if largest else extreme.min()
+    return torch.where(torch.isinf(extreme), math.nan, extreme)
 
 
 def _to_floats(values: dict[str, Tensor]) -> dict[str, float]:
