@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from grpo_hf.config import _USED_AS, GRPOConfig, _check_int
+from grpo_hf.config import GRPOConfig, _check_int, defaults_left_differing, warn_defaults_differing
 from grpo_hf.core import check_choice
 
 logger = logging.getLogger(__name__)
@@ -191,23 +191,14 @@ class AsyncGRPOConfig(GRPOConfig):
         return {name: reason for name, reason in IGNORED_FIELDS.items() if getattr(self, name) != defaults[name]}
 
     def defaults_differing_from_trl(self) -> list[str]:
-        """`name=value (TRL: value)` for every field still at grpo_hf's default where TRL's async default differs."""
-        ours = {f.name: _USED_AS.get(f.name, f.default) for f in dataclasses.fields(self)}
-        return [
-            f"{name}={getattr(self, name)!r} (TRL: {trl!r})"
-            for name, trl in TRL_ASYNC_DEFAULTS.items()
-            if getattr(self, name) == ours[name] and getattr(self, name) != trl
-        ]
+        """`name=value (TRL: value)` for every field left at grpo_hf's default where TRL's async default differs
+        (`TRL_ASYNC_DEFAULTS`; `config.defaults_left_differing`)."""
+        return defaults_left_differing(self, TRL_ASYNC_DEFAULTS)
 
     def log_defaults_differing_from_trl(self) -> None:
-        """Called once by the trainer when it is built: one log line naming the defaults that differ from TRL's
-        `AsyncGRPOConfig`, and one warning naming the TRL fields set here that mean nothing in grpo_hf, with why."""
-        if differing := self.defaults_differing_from_trl():
-            logger.info(
-                "Defaults that differ from TRL's AsyncGRPOConfig (AsyncGRPOConfig.from_trl_defaults(...) starts from "
-                "TRL's): %s",
-                ", ".join(differing),
-            )
+        """Called once by the trainer when it is built: one warning naming the defaults left that differ from TRL's
+        `AsyncGRPOConfig`, and one naming the TRL fields set here that mean nothing in grpo_hf, with why."""
+        warn_defaults_differing(self.defaults_differing_from_trl(), "AsyncGRPOConfig")
         if ignored := self.ignored_fields():
             logger.warning(
                 "AsyncGRPOConfig: these TRL AsyncGRPOConfig settings are accepted but ignored by grpo_hf: %s.",

@@ -74,8 +74,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     - `bf16` keeps the `TrainingArguments` default (off) instead of TRL's "on unless fp16":
       turn it on for GPUs; this library never assumes the hardware.
 
-    `GRPOConfig.from_trl_defaults(...)` starts from TRL's values instead (`TRL_DEFAULTS`), and the trainer logs
-    the defaults of a config that still differ from TRL's (`defaults_differing_from_trl`).
+    `GRPOConfig.from_trl_defaults(...)` starts from TRL's values instead (`TRL_DEFAULTS`), and the trainer warns
+    once, when built, about the defaults a config leaves that differ from TRL's (`defaults_differing_from_trl`: a
+    field passed to the constructor is a choice, even at grpo_hf's value).
     - Shared with TRL: `epsilon=0.2`, `scale_rewards="group"`, `num_generations=8`,
       `learning_rate=1e-6`, `temperature=1.0`, `num_iterations=1`.
     """
@@ -827,22 +828,53 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         override them as usual. Use it to port a TRL script that relies on TRL's defaults."""
         return cls(**{**TRL_DEFAULTS, **kwargs})
 
+    def __new__(cls, *args, **kwargs):
+        """Records the fields the caller passed (`_fields_given`), so that a field set to grpo_hf's value on purpose
+        is not reported as a default left (`defaults_differing_from_trl`). HfArgumentParser and `dataclasses.replace`
+        pass every field: then which ones were chosen is unknown (None), and only the values tell."""
+        config = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        given = set(names[: len(args)]) | set(kwargs)
+        config._fields_given = None if given >= set(names) else frozenset(given)
+        return config
+
     def defaults_differing_from_trl(self) -> list[str]:
-        """`name=value (TRL: value)` for every field still at grpo_hf's default where TRL's default differs."""
-        ours = {f.name: _USED_AS.get(f.name, f.default) for f in dataclasses.fields(self)}
-        return [
-            f"{name}={getattr(self, name)!r} (TRL: {trl!r})"
-            for name, trl in TRL_DEFAULTS.items()
-            if getattr(self, name) == ours[name] and getattr(self, name) != trl
-        ]
+        """`name=value (TRL: value)` for every field left at grpo_hf's default where TRL's default differs
+        (`TRL_DEFAULTS`; `defaults_left_differing`)."""
+        return defaults_left_differing(self, TRL_DEFAULTS)
 
     def log_defaults_differing_from_trl(self) -> None:
-        """One log line naming `defaults_differing_from_trl()`, so a ported TRL script's behaviour is predictable."""
-        if differing := self.defaults_differing_from_trl():
-            logger.info(
-                "Defaults that differ from TRL's GRPOConfig (GRPOConfig.from_trl_defaults(...) starts from TRL's): %s",
-                ", ".join(differing),
-            )
+        """Called once by the trainer when it is built: one warning naming `defaults_differing_from_trl()`, so that a
+        ported TRL script's different behaviour is seen (`warn_defaults_differing`)."""
+        warn_defaults_differing(self.defaults_differing_from_trl(), "GRPOConfig")
+
+
+def defaults_left_differing(config: GRPOConfig, trl_defaults: Mapping[str, Any]) -> list[str]:
+    """`name=value (TRL: value)` for each field of `trl_defaults` that `config` leaves at a grpo_hf default that
+    differs from TRL's: its value is grpo_hf's default and it was not passed to the constructor (a field passed is a
+    choice, even at grpo_hf's value; when every field was passed, as HfArgumentParser does, only the values tell)."""
+    ours = {f.name: _USED_AS.get(f.name, f.default) for f in dataclasses.fields(config)}
+    given = getattr(config, "_fields_given", None) or frozenset()
+    return [
+        f"{name}={getattr(config, name)!r} (TRL: {trl!r})"
+        for name, trl in trl_defaults.items()
+        if name not in given and getattr(config, name) == ours[name] and getattr(config, name) != trl
+    ]
+
+
+def warn_defaults_differing(differing: list[str], config_name: str) -> None:
+    """The warning (once per trainer built) naming the fields `differing` left at grpo_hf defaults that differ from
+    those of TRL's `config_name`, and how to keep or change them; nothing when there are none."""
+    if differing:
+        logger.warning(
+            "Defaults that differ from TRL's %s, left at grpo_hf's value: %s. A TRL script ported by changing its "
+            "import behaves differently there (docs/porting.md says why each differs). Pass a field to keep "
+            "grpo_hf's value without this warning, or build the config with %s.from_trl_defaults(...) to start "
+            "from TRL's.",
+            config_name,
+            ", ".join(differing),
+            config_name,
+        )
 
 
 # TRL 1.16's GRPOConfig defaults where grpo_hf's differ (the class docstring says why ours differ).

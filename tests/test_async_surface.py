@@ -69,7 +69,7 @@ def test_from_trl_defaults_starts_from_trls_async_values(tmp_path):
         True,
     )
     assert config.bf16 is False  # a keyword wins over the table
-    assert config.defaults_differing_from_trl() == ["bf16=False (TRL: True)"]  # what is left at grpo_hf's default
+    assert config.defaults_differing_from_trl() == []  # bf16=False was passed: a choice, not a default left
     assert "beta=0.04 (TRL: 0.0)" in AsyncGRPOConfig(output_dir=str(tmp_path)).defaults_differing_from_trl()
 
 

@@ -5,9 +5,10 @@ import logging
 from functools import partial
 
 import pytest
-from conftest import tiny_run_args
+from conftest import TRAINING, make_trainer, tiny_run_args
 
 from grpo_hf import GRPOConfig
+from grpo_hf.config import TRL_DEFAULTS
 
 config = partial(tiny_run_args, preset={})  # GRPOConfig(**overrides), reporting nowhere
 
@@ -87,16 +88,53 @@ def test_from_trl_defaults_and_the_defaults_that_differ(tmp_path, caplog):
     )
     explicit = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="dapo", beta=0.0)
     assert not any(d.startswith(("loss_type=", "beta=")) for d in explicit.defaults_differing_from_trl())
+    chosen = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo", beta=0.04)  # grpo_hf's, on purpose
+    assert not any(d.startswith(("loss_type=", "beta=")) for d in chosen.defaults_differing_from_trl())
+    assert "disable_dropout=True (TRL: False)" in chosen.defaults_differing_from_trl()  # still left at grpo_hf's
 
     trl = GRPOConfig.from_trl_defaults(output_dir=str(tmp_path), use_cpu=True, beta=0.01)  # kwargs still win
     assert (trl.loss_type, trl.beta, trl.disable_dropout, trl.logging_steps) == ("dapo", 0.01, False, 10)
     assert trl.defaults_differing_from_trl() == []
 
-    with caplog.at_level(logging.INFO, logger="grpo_hf.config"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
         ours.log_defaults_differing_from_trl()
         trl.log_defaults_differing_from_trl()
     lines = [r.getMessage() for r in caplog.records if "differ from TRL" in r.getMessage()]
-    assert len(lines) == 1 and "loss_type='grpo'" in lines[0]
+    assert len(lines) == 1 and "loss_type='grpo' (TRL: 'dapo')" in lines[0] and "beta=0.04 (TRL: 0.0)" in lines[0]
+    assert "GRPOConfig.from_trl_defaults(...)" in lines[0] and "Pass a field" in lines[0]
+
+
+def test_the_command_line_passes_every_field_so_only_the_values_tell(tmp_path):
+    """HfArgumentParser builds the config with every field: which were typed is unknown, so a value equal to grpo_hf's
+    default counts as left there; `parse_dict` passes only the keys given, which count as chosen."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(GRPOConfig)
+    (typed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--beta", "0.04"])
+    assert "beta=0.04 (TRL: 0.0)" in typed.defaults_differing_from_trl()
+    (given,) = parser.parse_dict({"output_dir": str(tmp_path), "use_cpu": True, "beta": 0.04})
+    assert not any(d.startswith("beta=") for d in given.defaults_differing_from_trl())
+    assert "loss_type='grpo' (TRL: 'dapo')" in given.defaults_differing_from_trl()
+
+
+def test_building_a_trainer_warns_once_about_the_defaults_left_that_differ_from_trls(tmp_path, caplog):
+    """Shown at Python's default logging level (a warning), once per trainer built; a field the user set, to TRL's
+    value or to grpo_hf's own, is not named; with every differing field set there is no warning at all."""
+
+    def warnings_when_built(**settings):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            make_trainer(tiny_run_args(tmp_path, TRAINING, **settings))
+        return [r.getMessage() for r in caplog.records if "Defaults that differ from TRL's" in r.getMessage()]
+
+    (message,) = warnings_when_built()
+    assert "loss_type='grpo' (TRL: 'dapo')" in message and "beta=0.04 (TRL: 0.0)" in message
+    assert "max_completion_length" not in message  # TRAINING sets it
+    for settings in ({"loss_type": "dapo", "beta": 0.0}, {"loss_type": "grpo", "beta": 0.04}):
+        (message,) = warnings_when_built(**settings)
+        assert "loss_type=" not in message and "beta=" not in message
+    everything = {name: getattr(config(), name) for name in TRL_DEFAULTS}  # grpo_hf's values, each set on purpose
+    assert warnings_when_built(**everything) == []
 
 
 @pytest.mark.parametrize(
