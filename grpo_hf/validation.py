@@ -70,6 +70,10 @@ MAX_ROWS_SCANNED = 100_000
 MAX_ROWS_TOKENIZED = 2_000
 """Prompts tokenized to check their length: at most this many, the longest by characters (under a second)."""
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+# Text columns that usually hold the prompts (most likely first), and those that usually hold the answers: the error
+# for a dataset without a 'prompt' column suggests renaming the first of its text columns named like the former.
+PROMPT_LIKE_COLUMNS = ("question", "problem", "query", "instruction", "input", "messages", "conversations", "text")
+ANSWER_LIKE_COLUMNS = ("answer", "solution", "response", "completion", "output", "label", "target", "ground_truth")
 _CHUNK = 10_000  # rows read at once from a datasets.Dataset
 _CHAT_EXAMPLE = "[{'role': 'user', 'content': 'What is 2 + 2?'}]"
 
@@ -216,10 +220,7 @@ def _check_rows(
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
     columns = _columns(dataset, name)
     if "prompt" not in columns and not empty_ok:
-        raise ValueError(
-            f"{name} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts "
-            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
-        )
+        raise _no_prompt_column(dataset, name, columns)
     reward_columns = [] if args.remove_unused_columns else [c for c in columns if c != "prompt"]
     clashing = [c for c in reward_columns if c in REWARD_ARGUMENTS]
     if clashing:
@@ -287,6 +288,35 @@ def _row(dataset, index: int, name: str) -> Mapping:
             "datasets.Dataset built with Dataset.from_list / from_dict is)."
         )
     return row
+
+
+def _no_prompt_column(dataset, name: str, columns: list[str]) -> ValueError:
+    """The error for a dataset without a 'prompt' column: its columns, and the rename that likely fixes it."""
+    likely = _likely_prompt_column(_row(dataset, 0, name), columns)
+    if likely is not None:
+        fix = f"e.g. dataset.rename_column({likely!r}, 'prompt') if {likely!r} holds them"
+    else:
+        fix = "or build it from the columns you have: dataset.map(lambda row: {'prompt': ...})"
+    return ValueError(
+        f"{name} has no 'prompt' column (found: {columns}). Rename the column that holds the prompts (text or chat "
+        f"messages) to 'prompt', {fix}."
+    )
+
+
+def _likely_prompt_column(first_row: Mapping, columns: list[str]) -> str | None:
+    """The column that most likely holds the prompts, from the dataset's first row: of the columns holding text or
+    chat messages, the first named as prompts often are (`PROMPT_LIKE_COLUMNS`, in that order), else the first not
+    named as answers are (`ANSWER_LIKE_COLUMNS`); None when there is none."""
+
+    def holds_prompts(column: str) -> bool:
+        value = first_row.get(column)
+        return (isinstance(value, str) and value.strip() != "") or is_conversational(value)
+
+    texts = [column for column in columns if holds_prompts(column)]
+    by_name = {column.lower(): column for column in texts}
+    named = [by_name[known] for known in PROMPT_LIKE_COLUMNS if known in by_name]
+    others = [column for column in texts if column.lower() not in ANSWER_LIKE_COLUMNS]
+    return next(iter(named + others), None)
 
 
 def _columns(dataset, name: str) -> list[str]:

@@ -74,6 +74,37 @@ def test_missing_prompt_column_is_named(tmp_path, tokenizer, tiny_llama):
         make_trainer(tiny_run_args(tmp_path, TRAINING), id_sum_reward, dataset, tokenizer=tokenizer, model=tiny_llama)
 
 
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.mark.parametrize(
+    ("columns", "suggested"),
+    [
+        ({"problem": ["1 + 1?", "2 + 2?"], "answer": ["2", "4"]}, "'problem'"),
+        ({"solution": ["2", "4"], "id": [1, 2], "query": ["1 + 1?", "2 + 2?"]}, "'query'"),
+        ({"answer": ["2", "4"], "body": ["1 + 1?", "2 + 2?"]}, "'body'"),  # a text column, not the answers'
+        ({"id": [1, 2], "conversations": [CHAT, CHAT]}, "'conversations'"),  # chat messages
+    ],
+)
+def test_missing_prompt_column_error_names_the_datasets_columns_and_a_likely_one(
+    tmp_path, tiny_llama, columns, suggested
+):
+    """The error lists the dataset's own columns and suggests renaming the one that likely holds the prompts (a text
+    or chat column, by its name), not a fixed 'question'."""
+    with pytest.raises(ValueError) as info:
+        make_trainer(tiny_run_args(tmp_path, TRAINING), dataset=Dataset.from_dict(columns), model=tiny_llama)
+    message = str(info.value)
+    assert f"no 'prompt' column (found: {list(columns)})" in message
+    assert f"dataset.rename_column({suggested}, 'prompt')" in message and "'question'" not in message
+
+
+def test_missing_prompt_column_without_a_text_column_suggests_building_one(tmp_path, tiny_llama):
+    dataset = Dataset.from_dict({"id": [1, 2], "a": [3, 4]})
+    with pytest.raises(ValueError, match=r"\(found: \['id', 'a'\]\)\..*dataset\.map\(lambda row: \{'prompt'") as info:
+        make_trainer(tiny_run_args(tmp_path, TRAINING), dataset=dataset, model=tiny_llama)
+    assert "rename_column" not in str(info.value)
+
+
 def test_empty_dataset_is_rejected(tmp_path, tokenizer, tiny_llama):
     dataset = Dataset.from_dict({"prompt": []})
     with pytest.raises(ValueError, match="train_dataset is empty"):
