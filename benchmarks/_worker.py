@@ -121,7 +121,7 @@ def prepare_family(shape: str, directory: str, device: str, seed: int = 0) -> di
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from offline_model import offline_model_path  # recipes/offline_model.py
+    from grpo_hf import offline_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(offline_model_path())
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -245,11 +245,11 @@ def task_inputs(impl: str, s: dict, seed: int, output_dir: str, model_dir: str |
     """A config's GRPOTrainer arguments beside `args`: model, rewards, data, and what else its task needs."""
     from datasets import Dataset
 
+    from grpo_hf import offline_model_path
     from grpo_hf.models import load_tokenizer
     from grpo_hf.rewards import accuracy_reward, gsm8k_format_reward
 
     from gsm8k_support.data import make_arithmetic_dataset, to_conversational
-    from offline_model import offline_model_path  # recipes/offline_model.py
 
     task = s["task"]
     model = model_dir or (offline_model_path() if task in ("gsm8k", "tools") else None)  # the real SmolLM2 weights
@@ -335,8 +335,8 @@ def build_trainer(
 
 def _loaded(path: str):
     """The fp32 model at `path`, for TRL: TRL 1.16 builds a model from a path by its config's `architectures`, which
-    the offline SmolLM2's config.json lacks (`TypeError: 'NoneType' object is not subscriptable`); grpo_hf loads it
-    with `AutoModelForCausalLM` either way."""
+    the offline SmolLM2's config.json lacked before `grpo_hf.offline_model`'s cache revision 2 (`TypeError:
+    'NoneType' object is not subscriptable`); grpo_hf loads it with `AutoModelForCausalLM` either way."""
     import torch
     from transformers import AutoModelForCausalLM
 

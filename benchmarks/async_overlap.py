@@ -68,7 +68,7 @@ def model_and_tokenizer(tiny: bool):
         return build_tiny_model(tokenizer, seed=0), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from offline_model import offline_model_path
+    from grpo_hf import offline_model_path
 
     path = offline_model_path()
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

@@ -200,7 +200,7 @@ def load(device: str, tools: int):
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from offline_model import offline_model_path  # recipes/offline_model.py
+    from grpo_hf import offline_model_path
 
     path = offline_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

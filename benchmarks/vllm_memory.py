@@ -67,8 +67,7 @@ def trl_scripts(steps: int) -> None:
     from datasets import Dataset
     from peft import LoraConfig
 
-    from grpo_hf import GRPOConfig, GRPOTrainer
-    from grpo_hf.models import offline_model_path
+    from grpo_hf import GRPOConfig, GRPOTrainer, offline_model_path
 
     model_path = offline_model_path()
     prompts = ["The sky is", "The sun is", "Beautiful is better than", "Explicit is better than", "Simple is better"]

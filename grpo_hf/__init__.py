@@ -24,6 +24,7 @@ _EXPORTS = {
     "gsm8k_format_reward": "grpo_hf.rewards",
     "make_accuracy_reward": "grpo_hf.rewards",
     "compute_rewards": "grpo_hf.rewards",
+    "offline_model_path": "grpo_hf.offline_model",
 }
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "get_reward_funcs",
     "gsm8k_format_reward",
     "make_accuracy_reward",
+    "offline_model_path",
     "soft_overlong_punishment",
     "tag_count_reward",
 ]
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from grpo_hf.async_config import AsyncGRPOConfig
     from grpo_hf.async_trainer import AsyncGRPOTrainer
     from grpo_hf.config import GRPOConfig
+    from grpo_hf.offline_model import offline_model_path
     from grpo_hf.rewards import (
         REWARD_FUNCS,
         accuracy_reward,

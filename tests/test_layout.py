@@ -153,6 +153,9 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # `cache_layers` (the kinds of cache layer transformers builds, a prompt's cache repeated to its rows): torch
         # and transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.cache_layers", set()),
+        # `offline_model` (the offline SmolLM2's directory, converted once from its PyPI package): torch and
+        # transformers only, for the loaders in `models` and for users (`grpo_hf.offline_model_path`)
+        ("grpo_hf.offline_model", set()),
         # rewards: reward models (rewards/reward_models.py) check their paths with `paths`
         ("grpo_hf.rewards", {"grpo_hf.rewards", "grpo_hf.paths", *LEAVES}),
         # parallel: collective helpers over accelerate, importing nothing of grpo_hf (checked below); the vLLM
@@ -179,7 +182,10 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
         # module: not validation, experience, objective, rollout or rewards); `heads`: the fp32 LM head, the MoE
         # router's loss weight
-        ("grpo_hf.models", {"grpo_hf.paths", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.values"}),
+        (
+            "grpo_hf.models",
+            {"grpo_hf.paths", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.values", "grpo_hf.offline_model"},
+        ),
         ("grpo_hf.heads", {"grpo_hf.peft_utils"}),
     ],
 )

