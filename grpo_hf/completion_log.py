@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 
 
 def completion_rows(
-    step: int,
     prompts: list,
     texts: list[str],
     names: list[str],
@@ -29,7 +28,8 @@ def completion_rows(
 ) -> list[dict[str, Any]]:
     """A row per completion: the prompt (its last message), the completion, its rewards [B, R], the columns reward
     functions logged for it with `log_extra` (`extra`, a dict per row; TRL's extra columns, top-level keys: a name
-    that is one of the fixed keys becomes `extra/<name>`), and its advantage [B]."""
+    that is one of the fixed keys becomes `extra/<name>`), and its advantage [B]. Their "step" is set when they are
+    written (`CompletionLog.write`)."""
 
     def as_text(prompt):
         return prompt[-1]["content"] if is_conversational(prompt) else prompt
@@ -40,7 +40,7 @@ def completion_rows(
     extra = extra if extra is not None else [{}] * len(texts)
     return [
         {
-            "step": step,
+            "step": None,
             "prompt": as_text(p),
             "completion": c,
             "rewards": dict(zip(names, r, strict=True)),
@@ -108,10 +108,12 @@ class CompletionLog:
         self.api = None  # a `huggingface_hub.HfApi`, made when the first file is pushed
 
     def write(self, rows: list[dict[str, Any]], step: int, mode: str = "train", main: bool = True) -> None:
-        """`rows` of the latest rollout (training) or of the evaluation (mode "eval", files `eval_completions_*`);
-        only on the main process (`main`)."""
+        """`rows` of the latest rollout (training) or of the evaluation (mode "eval", files `eval_completions_*`),
+        logged at `step`, the trainer's global step then (TRL's "step" column: the optimizer steps taken when the row
+        is logged, so the first training step's rows say 1); only on the main process (`main`)."""
         if not main:
             return
+        rows = [{**row, "step": step} for row in rows]
         write_completions(rows, self.args.output_dir, step, self.args.num_completions_to_print)
         table = completions_table(rows)
         os.makedirs(self.folder, exist_ok=True)

@@ -303,9 +303,8 @@ class ExperienceMaker:
 
     def _completion_rows(self, rollout: Rollout) -> list[dict[str, Any]]:
         """The `log_completions` rows of `rollout`, of every process."""
-        names, step = self.rewards.names, self.state().global_step
         rows = completion_rows(
-            step, rollout.prompts, rollout.texts, names, rollout.rewards, rollout.advantages, rollout.extra
+            rollout.prompts, rollout.texts, self.rewards.names, rollout.rewards, rollout.advantages, rollout.extra
         )
         return gather_object(rows) if self.accelerator.num_processes > 1 else rows
 

@@ -179,11 +179,30 @@ def test_log_completions_writes_trls_files_in_training_and_evaluation(tmp_path, 
     assert files == ["completions_00001.parquet", "completions_00002.parquet", "eval_completions_00002.parquet"]
     table = pd.read_parquet(tmp_path / "completions" / "completions_00001.parquet")
     assert list(table.columns) == ["step", "prompt", "completion", "id_sum_reward", "advantage"] and len(table) == 4
-    assert len(pd.read_parquet(tmp_path / "completions" / "eval_completions_00002.parquet")) == 8  # 2 prompts x 4
+    eval_table = pd.read_parquet(tmp_path / "completions" / "eval_completions_00002.parquet")
+    assert len(eval_table) == 8 and set(eval_table["step"]) == {2}  # 2 prompts x 4, evaluated after step 2
     assert [len(entry["completions"]) for entry in logged if "completions" in entry] == [1, 1]  # one prompt a step
     assert [len(entry["eval/completions"]) for entry in logged if "eval/completions" in entry] == [2]
     assert uploads[0] == ("create", "me/logs", "dataset")
     assert [u[0] for u in uploads[1:]] == [f"completions/{name}" for name in files[:2] + files[2:]]
+
+
+def test_each_completions_row_carries_the_step_at_which_it_was_logged(tmp_path, tokenizer):
+    """TRL's "step" column is the trainer's global step when the rows are logged: a 3-step run writes files 1, 2 and 3
+    whose rows say 1, 2 and 3 (not the step the rollout started from, 0 for the first), and completions.jsonl too."""
+    import json
+
+    import pandas as pd
+
+    args = tiny_run_args(tmp_path, TRAINING, max_steps=3, log_completions=True, num_completions_to_print=1)
+    GRPOTrainer(build_tiny_model(tokenizer), id_sum_reward, args, make_dataset(), processing_class=tokenizer).train()
+    steps = {}
+    for step in (1, 2, 3):
+        table = pd.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+        steps[step] = table["step"].tolist()
+    assert steps == {1: [1] * 4, 2: [2] * 4, 3: [3] * 4}
+    with open(tmp_path / "completions.jsonl", encoding="utf-8") as lines:
+        assert [json.loads(line)["step"] for line in lines] == [1] * 4 + [2] * 4 + [3] * 4
 
 
 def test_quantization_config_loads_the_model_quantized_or_says_what_is_missing(tmp_path, tokenizer, monkeypatch):
