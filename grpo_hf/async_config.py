@@ -28,7 +28,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from grpo_hf.config import GRPOConfig, _check_int, defaults_left_differing, warn_defaults_differing
+from grpo_hf.config import (
+    GRPOConfig,
+    _check_int,
+    defaults_left_differing,
+    warn_defaults_differing,
+    with_trl_precision,
+)
 from grpo_hf.core import check_choice
 
 logger = logging.getLogger(__name__)
@@ -208,8 +214,9 @@ class AsyncGRPOConfig(GRPOConfig):
     @classmethod
     def from_trl_defaults(cls, **kwargs) -> AsyncGRPOConfig:
         """A config that starts from TRL's `AsyncGRPOConfig` defaults (`TRL_ASYNC_DEFAULTS`, including what TRL's
-        async trainer does without a field: no KL term, its token-mean loss) where grpo_hf's differ."""
-        return cls(**{**TRL_ASYNC_DEFAULTS, **kwargs})
+        async trainer does without a field: no KL term, its token-mean loss) where grpo_hf's differ; bf16 as
+        `GRPOConfig.from_trl_defaults` sets it (`config.with_trl_precision`)."""
+        return cls(**with_trl_precision(TRL_ASYNC_DEFAULTS, kwargs))
 
     def model_load_kwargs(self) -> dict[str, Any]:
         """`GRPOConfig.model_load_kwargs` with `dtype` unless `model_init_kwargs` sets one (TRL's precedence)."""

@@ -825,8 +825,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     @classmethod
     def from_trl_defaults(cls, **kwargs) -> GRPOConfig:
         """A config that starts from TRL's `GRPOConfig` defaults (`TRL_DEFAULTS`) where grpo_hf's differ; `kwargs`
-        override them as usual. Use it to port a TRL script that relies on TRL's defaults."""
-        return cls(**{**TRL_DEFAULTS, **kwargs})
+        override them as usual. Use it to port a TRL script that relies on TRL's defaults. bf16 follows TRL's rule
+        where this machine can run it (`with_trl_precision`)."""
+        return cls(**with_trl_precision(TRL_DEFAULTS, kwargs))
 
     def __new__(cls, *args, **kwargs):
         """Records the fields the caller passed (`_fields_given`), so that a field set to grpo_hf's value on purpose
@@ -847,6 +848,31 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         """Called once by the trainer when it is built: one warning naming `defaults_differing_from_trl()`, so that a
         ported TRL script's different behaviour is seen (`warn_defaults_differing`)."""
         warn_defaults_differing(self.defaults_differing_from_trl(), "GRPOConfig")
+
+
+def with_trl_precision(trl_defaults: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`trl_defaults` then `kwargs`, with TRL's bf16 unless `kwargs` set it: on unless fp16 is set, and off, with a
+    warning saying why, where this machine cannot run it: no bf16-capable accelerator and not `use_cpu`, which
+    `TrainingArguments` refuses ("Your setup doesn't support bf16/gpu"; TRL's own default fails there)."""
+    settings = {**trl_defaults, **kwargs}
+    if "bf16" in kwargs:
+        return settings
+    settings["bf16"] = not settings.get("fp16", False)
+    if settings["bf16"] and not settings.get("use_cpu", False) and not bf16_accelerator_available():
+        settings["bf16"] = False
+        logger.warning(
+            "from_trl_defaults: bf16=False, not TRL's bf16=True: this machine has no accelerator that runs bfloat16 "
+            "(TrainingArguments refuses bf16 there unless use_cpu=True), so the run is float32. Pass use_cpu=True "
+            "to keep bf16 on the CPU, or bf16=False to choose float32 without this warning."
+        )
+    return settings
+
+
+def bf16_accelerator_available() -> bool:
+    """Whether `TrainingArguments` takes bf16=True without use_cpu: a GPU (or other accelerator) that runs bfloat16."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
 def defaults_left_differing(config: GRPOConfig, trl_defaults: Mapping[str, Any]) -> list[str]:
@@ -886,7 +912,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "use_bias_correction_kl": True,
     "logging_steps": 10,
     "gradient_checkpointing": True,
-    "bf16": True,  # TRL: True unless fp16 is set
+    "bf16": True,  # TRL: True unless fp16 is set (`from_trl_defaults`: and where the machine runs bf16)
     "logging_nan_inf_filter": True,  # TrainingArguments' default
 }
 

@@ -172,3 +172,27 @@ def test_the_step_settings_are_frozen_and_built_from_the_fields():
     for settings in (built.loss_settings(), entropy, correction):
         with pytest.raises(dataclasses.FrozenInstanceError):
             settings.__setattr__(dataclasses.fields(settings)[0].name, None)
+
+
+def test_from_trl_defaults_works_without_a_gpu_and_says_why_bf16_is_off(tmp_path, caplog):
+    """TRL's bf16 default is "on unless fp16", which TrainingArguments refuses on a machine without a bf16 accelerator
+    unless use_cpu=True. from_trl_defaults follows TRL where the machine runs bf16 and turns it off, with a warning
+    saying why, where it does not; a bf16 or use_cpu the caller passes is kept (this suite runs on a CPU)."""
+    from grpo_hf.config import bf16_accelerator_available
+
+    if bf16_accelerator_available():
+        pytest.skip("this machine runs bf16: TRL's default applies as it is")
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
+        trl = GRPOConfig.from_trl_defaults(output_dir=str(tmp_path))
+    assert trl.bf16 is False and (trl.loss_type, trl.beta) == ("dapo", 0.0)
+    (reason,) = [r.getMessage() for r in caplog.records if "from_trl_defaults" in r.getMessage()]
+    assert "bf16=False, not TRL's bf16=True" in reason and "use_cpu=True" in reason
+    assert trl.defaults_differing_from_trl() == []  # turned off for the machine, not left at grpo_hf's default
+    from grpo_hf.async_config import AsyncGRPOConfig  # the same rule
+
+    assert AsyncGRPOConfig.from_trl_defaults(output_dir=str(tmp_path), vllm_server_base_url=None).bf16 is False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
+        assert GRPOConfig.from_trl_defaults(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # CPU autocast
+        assert GRPOConfig.from_trl_defaults(output_dir=str(tmp_path), bf16=False).bf16 is False
+    assert not [r for r in caplog.records if "from_trl_defaults" in r.getMessage()]
