@@ -31,10 +31,10 @@ from accelerate.utils import gather_object
 from torch import Tensor, nn
 
 from grpo_hf.completion_log import completion_rows
-from grpo_hf.core import combine_rewards, decoupled_advantages, group_advantages
+from grpo_hf.core import combine_rewards, decoupled_advantages, group_advantages, nan_group_std
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.logprobs import LogprobPath
-from grpo_hf.metrics import Metrics, check_finite_rewards, length_metrics, reward_metrics
+from grpo_hf.metrics import Metrics, check_finite_rewards, length_metrics, no_signal_warning, reward_metrics
 from grpo_hf.parallel import stop_together, sum_over_processes
 from grpo_hf.peft_utils import reference_adapter
 from grpo_hf.rewards import compute_rewards
@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 # The fields of a `Rollout` that hold the whole generation batch, not this process's rows.
 _GLOBAL = ("all_rewards", "combined_rewards")
+
+NO_SIGNAL_BATCHES = 2
+"""Training generation batches in a row in which every group's rewards are all equal (no learning signal) before the
+warning (`metrics.no_signal_warning`), once per run: one such batch can be chance (one or two hard prompts)."""
 
 
 # `EpisodeCache.stats` entries summed over processes by `_record_tools`, in this order
@@ -134,6 +138,8 @@ class ExperienceMaker:
         # round -> a context around dynamic sampling's refill round (a producer's: `AsyncRollouts._refilling`)
         self.refill_context: Callable[[int], contextlib.AbstractContextManager] | None = None
         self.all_masked_rollouts = 0  # rollouts whose completions mask_truncated_completions masked all
+        self.no_signal_batches = 0  # training generation batches in a row whose groups all have equal rewards
+        self.warned_no_signal = False
 
     # ---- a training step's micro-batches -------------------------------------------------------------------------
     def train_batches(self, inputs: list[dict[str, Any]]) -> list[MicroBatch]:
@@ -163,6 +169,8 @@ class ExperienceMaker:
         kept = None
         if args.dynamic_sampling:
             rollout, kept = self.keep_groups_with_signal(rollout, G)
+        else:  # dynamic sampling replaces the groups without signal, and says when it cannot
+            self._warn_if_no_signal(rollout, G)
         self.set_advantages(rollout, G, kept, check=True)
         start = self.accelerator.process_index * len(rollout)
         if kept is not None:  # rows of dropped groups that fill an incomplete batch carry no loss
@@ -292,6 +300,21 @@ class ExperienceMaker:
                 "mask_truncated_completions=True masks them all: the step trains on nothing (the policy term is 0). "
                 f"Raise max_completion_length or set mask_truncated_completions=False. ({count} such rollouts so far)"
             )
+
+    def _warn_if_no_signal(self, rollout: Rollout, G: int) -> None:
+        """Once per run, on the main process: a warning (`metrics.no_signal_warning`) when every group of
+        `NO_SIGNAL_BATCHES` training generation batches in a row has rewards all equal (`frac_reward_zero_std` 1):
+        zero advantages, nothing learned, most often a reward function that gives every completion one value."""
+        combined = rollout.combined_rewards  # [N], the whole generation batch
+        if self.warned_no_signal or combined.numel() % G:
+            return
+        signal = bool((nan_group_std(combined.view(-1, G)) > 0).any())  # NaN (all None) is no signal either
+        self.no_signal_batches = 0 if signal else self.no_signal_batches + 1
+        if self.no_signal_batches < NO_SIGNAL_BATCHES:
+            return
+        self.warned_no_signal = True
+        if self.accelerator.is_main_process:
+            logger.warning(no_signal_warning(rollout.all_rewards, self.rewards.names, NO_SIGNAL_BATCHES))
 
     def _record_training_rows(self, rollout: Rollout) -> None:
         """The token count (`num_tokens`) and, with `log_completions`, the rows to print at the next log."""

@@ -121,6 +121,35 @@ def length_metrics(lengths: Tensor, is_truncated: Tensor) -> dict[str, float]:
     return {f"completions/{name}": value for name, value in zip(names, torch.stack(values).tolist(), strict=True)}
 
 
+def no_signal_warning(rewards: Tensor, names: Sequence[str], batches: int) -> str:
+    """The warning for `batches` training generation batches in a row in which every group's rewards were all equal:
+    what it means, which reward functions gave one value to every completion of the last batch (`rewards` [N, R],
+    NaN = None; `names` one per column), and what to check."""
+    constant = []
+    for k, name in enumerate(names):
+        column = rewards[:, k]
+        given = column[~torch.isnan(column)]
+        if given.numel() == 0:
+            constant.append(f"{name!r} (None for every completion)")
+        elif bool((given == given[0]).all()):
+            constant.append(f"{name!r} ({given[0].item():g} for every completion)")
+    if constant:
+        which = f"Constant over the whole last batch: {', '.join(constant)}."
+    else:
+        which = (
+            "No reward function is constant over the whole batch, but each gives one value per group: rewards that "
+            "depend on the prompt (its columns) rather than on the completion."
+        )
+    return (
+        f"No learning signal: in {batches} generation batches in a row, every group's completions got the same "
+        f"reward (frac_reward_zero_std=1), so every advantage is 0 and the policy term of the loss is 0: the model "
+        f"learns nothing from them (only a KL term, with beta > 0, moves it). {which} Check that each reward "
+        "function reads the dataset column it needs (a column under another name, caught by **kwargs, often gives "
+        "one value to all), that it can parse what the model writes (log_completions=True shows the completions "
+        "and their rewards), and that the task is neither too hard nor too easy for the model. Said once per run."
+    )
+
+
 def check_finite_rewards(rewards: Tensor, names: Sequence[str]) -> None:
     """Raise when a reward in `rewards` [N, R] is infinite in its dtype (NaN means None and is allowed), naming the
     reward function and the row: e.g. 1e300 is finite in Python but inf in float32, and would turn the advantages,

@@ -4,14 +4,15 @@ The multi-process reductions are exercised by the 2-process runs (`tests/test_tr
 whose logged metrics must equal the 1-process run's.
 """
 
+import logging
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_trainer, tiny_run_args, train_logs
+from conftest import TRAINING, id_sum_reward, make_trainer, tiny_run_args, train_logs
 
-from grpo_hf.metrics import Metrics, length_metrics
+from grpo_hf.metrics import Metrics, length_metrics, no_signal_warning
 from grpo_hf.objective import gathered_clip_extremes
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))  # what Metrics reads of an Accelerator
@@ -107,3 +108,50 @@ def test_a_training_run_logs_trls_extra_clip_and_length_metrics(tmp_path):
     for name in ("mean", "min", "max"):
         assert row[f"completions/{name}_terminated_length"] == 0.0
     assert row["clip_ratio/low_min"] == 0.0 and row["clip_ratio/high_max"] == 0.0
+
+
+def always_zero(completions, **kwargs):
+    """A verifier reading a column that is not there: one value for every completion."""
+    return [0.0] * len(completions)
+
+
+def zero_at_the_first_step(completions, completion_ids, trainer_state, **kwargs):
+    """Equal rewards in the first generation batch only (one unlucky batch), then rewards that vary."""
+    if trainer_state.global_step == 0:
+        return [1.0] * len(completions)
+    return id_sum_reward(completion_ids)
+
+
+@pytest.mark.parametrize(
+    ("reward", "warned"), [(always_zero, True), (id_sum_reward, False), (zero_at_the_first_step, False)]
+)
+def test_a_run_without_learning_signal_is_warned_about_once(tmp_path, caplog, reward, warned):
+    """Every group with equal rewards in NO_SIGNAL_BATCHES (2) generation batches in a row: one warning over the 3-step
+    run (not one per step), naming the constant reward function and what it means; rewards that vary, or equal in
+    one batch only, give none."""
+    trainer = make_trainer(tiny_run_args(tmp_path, TRAINING, max_steps=3), reward=reward)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.experience"):
+        trainer.train()
+    messages = [r.getMessage() for r in caplog.records if "No learning signal" in r.getMessage()]
+    assert len(messages) == (1 if warned else 0), messages
+    assert [log["frac_reward_zero_std"] for log in train_logs(trainer)] == {
+        always_zero: [1.0, 1.0, 1.0],
+        id_sum_reward: [0.0, 0.0, 0.0],
+        zero_at_the_first_step: [1.0, 0.0, 0.0],
+    }[reward]
+    if warned:
+        assert "in 2 generation batches in a row" in messages[0]
+        assert "Constant over the whole last batch: 'always_zero' (0 for every completion)" in messages[0]
+        assert "every advantage is 0" in messages[0] and "reads the dataset column it needs" in messages[0]
+
+
+def test_the_no_signal_warning_names_what_is_constant():
+    """Per reward function over the batch [N, R]: one value everywhere (named, with it), None everywhere (named), or
+    varying (not named); when none is constant, equal rewards within each group mean rewards of the prompt only."""
+    rewards = torch.tensor([[1.0, float("nan"), 0.0], [1.0, float("nan"), 2.0], [1.0, float("nan"), 0.0]])
+    message = no_signal_warning(rewards, ["ok_format", "judge", "score"], 3)
+    assert "in 3 generation batches in a row" in message
+    assert "'ok_format' (1 for every completion), 'judge' (None for every completion)." in message
+    assert "'score'" not in message
+    by_prompt = no_signal_warning(torch.tensor([[0.0], [0.0], [1.0], [1.0]]), ["per_prompt"], 2)
+    assert "'per_prompt'" not in by_prompt and "depend on the prompt" in by_prompt
