@@ -35,7 +35,11 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from grpo_hf.trainer_hooks import check_trainer_hooks
+
 logger = logging.getLogger(__name__)
+# GRPOTrainer (this module's AtomicCheckpoints among its bases) overrides private Trainer methods: still there?
+check_trainer_hooks()
 
 STAGING_DIR = ".saving"
 RUN_STATE = "grpo_hf_state_rank{rank}.pt"

@@ -48,10 +48,8 @@ from grpo_hf.rewards.reward_models import reward_processing_classes_of, reward_s
 from grpo_hf.rollout import MicroBatch, RepeatSampler, RolloutEngine, eos_token_ids_of
 from grpo_hf.rollout.sampler import Generation, Sampler, ToolSetup
 from grpo_hf.tooling import train_rows
-from grpo_hf.trainer_hooks import check_trainer_hooks
 
 logger = logging.getLogger(__name__)
-check_trainer_hooks()  # the private Trainer methods overridden below are still there, with the same arguments
 
 RewardFunc = Callable[..., list] | str | PreTrainedModel
 

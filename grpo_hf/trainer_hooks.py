@@ -3,8 +3,9 @@
 `GRPOTrainer` changes the Trainer's behaviour through a few of its private methods (the sampler that keeps a prompt's
 completions together, the dataloader of prompts, the gradient norm and clipping that skip a non-finite step, the
 atomic checkpoint directory). A release that renames one of them, or its arguments, would leave grpo_hf's override
-uncalled and the run silently wrong, so `check_trainer_hooks` compares the installed Trainer with `TRAINER_HOOKS` at
-import and raises an ImportError that names what changed and the versions it was tested with (docs/versions.md).
+uncalled and the run silently wrong, so `check_trainer_hooks` compares the installed Trainer with `TRAINER_HOOKS`
+when `grpo_hf.checkpoint` (the trainer's first base) is imported, and raises an ImportError that names what changed
+and where the tested versions are (docs/versions.md).
 """
 
 from __future__ import annotations
