@@ -13,7 +13,7 @@ py="$venv/bin/python"
     echo "# whole suite passed in it (make lock does both):"
     echo "# $("$py" requirements/versions.py), on $(uname -m) $(uname -s)."
     echo "# torch is pinned by the Makefile's TORCH_SPEC, not here. Refresh: make lock (docs/versions.md)."
-    "$py" -m pip freeze --all --exclude-editable | grep -v -i -E '^(torch|nvidia-[a-z0-9-]+|triton)==' | LC_ALL=C sort -f
+    "$py" -m pip freeze --all --exclude-editable | grep -v -i -E '^(torch|nvidia-[a-z0-9-]+)==' | LC_ALL=C sort -f
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 echo "wrote $out ($(grep -c '==' "$out") pins)"
