@@ -191,11 +191,13 @@ class ExperienceMaker:
     def sampling_replay(self) -> SamplingReplay | None:
         """The distribution the engines draw from (`sampling.SamplingReplay`, the settings resolved as they resolve
         them), for the weight of a correction (vLLM's, or a stale batch's: `sampling_correction`); None without one,
-        or when it is the trainer's temperature-only softmax."""
+        or when it is the trainer's temperature-only softmax. vLLM pads no prompt: its repetition penalty never reads
+        padding, whatever the installed `generate` does with it."""
         if self.args.sampling_correction() is None:
             return None
         policy = self.accelerator.unwrap_model(self.models.policy())
-        return SamplingReplay.of(policy, self.sampler.generation.generation_config, self.args.temperature)
+        config, skip_padding = self.sampler.generation.generation_config, True if self.args.use_vllm else None
+        return SamplingReplay.of(policy, config, self.args.temperature, skip_padding=skip_padding)
 
     def set_old_logps(self, batch: MicroBatch) -> None:
         """`batch.old_logps` where an optimizer step separates the rollout from its last use (else None: the current

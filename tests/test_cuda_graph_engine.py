@@ -33,6 +33,7 @@ from grpo_hf.rollout.cuda_graph import (
     top_k_filter,
     top_p_filter,
 )
+from grpo_hf.rollout.sampling import GENERATE_SKIPS_PADDING
 
 PROMPTS = ["Hello there"] * 2 + ["A much longer prompt, with more tokens"] * 3 + ["Why?"] * 2 + ["Count: 1 2 3 4"]
 
@@ -336,13 +337,23 @@ def test_each_processor_equals_transformers_on_random_logits():
 
     prompt_ids, prompt_mask, generated = _padded_history(V=scores.size(1))
     seen = prompt_seen_mask(prompt_ids, prompt_mask, scores.size(1)).scatter(1, generated, True)  # [N, V]
-    padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
     history = torch.cat([prompt_ids, generated], dim=1)  # [N, P + T]
     for penalty in (0.8, 1.5):
-        expected = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding_lengths)(history, scores)
-        assert torch.equal(repetition_penalty(scores, seen, penalty), expected), penalty
-    everything = torch.zeros_like(seen).scatter(1, history.clamp(max=scores.size(1) - 1), True)  # [N, V]
-    assert not torch.equal(seen, everything)  # the left padding holds tokens that must not be penalised
+        assert torch.equal(
+            repetition_penalty(scores, seen, penalty), generates_penalty(penalty, prompt_mask)(history, scores)
+        ), penalty
+    V = scores.size(1)
+    everything = torch.zeros((len(seen), V + 1), dtype=torch.bool).scatter(1, history.clamp(max=V), True)[:, :V]
+    # transformers >= 5.23: the left padding holds tokens that are not penalised; before, `generate` penalises them
+    assert torch.equal(seen, everything) != GENERATE_SKIPS_PADDING
+
+
+def generates_penalty(penalty: float, prompt_mask: torch.Tensor) -> RepetitionPenaltyLogitsProcessor:
+    """transformers' repetition penalty as the installed `generate` builds it (`GENERATE_SKIPS_PADDING`, itself
+    checked against `generate` in test_sampling_replay.py): each row's left padding skipped from 5.23 on."""
+    if GENERATE_SKIPS_PADDING:
+        return RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=(prompt_mask != 0).int().argmax(dim=1))
+    return RepetitionPenaltyLogitsProcessor(penalty)
 
 
 def test_chained_processors_equal_the_ones_generate_applies():

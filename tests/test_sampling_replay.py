@@ -23,7 +23,13 @@ from grpo_hf.core import sampling_importance_weights
 from grpo_hf.logprobs import completion_logps, logps_and_replayed
 from grpo_hf.objective import Objective
 from grpo_hf.rollout import Sequences, make_engine, tokenize_prompts
-from grpo_hf.rollout.sampling import SamplingReplay, replayed_logps
+from grpo_hf.rollout.sampling import (
+    GENERATE_SKIPS_PADDING,
+    SamplingReplay,
+    _PenaltyPastPadding,
+    repetition_penalty_processor,
+    replayed_logps,
+)
 
 # Qwen2.5-Instruct's own sampling settings (its generation_config), at the trainer's temperature 1.0
 QWEN = dict(top_p=0.8, top_k=20, repetition_penalty=1.05)
@@ -44,8 +50,10 @@ def _config(**settings) -> GenerationConfig:
 
 
 def naive_replay(logits, completion_ids, prompt_ids, prompt_mask, mask, settings) -> torch.Tensor:
-    """One row and one position at a time: the row's real prompt tokens and its completion so far as `generate`'s
-    input_ids, then transformers' processors in `generate`'s order, applied one by one; log-softmax at the token."""
+    """One row and one position at a time: the row's prompt tokens that `generate`'s repetition penalty reads (the
+    real ones; with transformers < 5.23, whose `generate` penalises the left padding, `GENERATE_SKIPS_PADDING`, the
+    padding too) and its completion so far as input_ids, then transformers' processors in `generate`'s order, applied
+    one by one; log-softmax at the token."""
     config = _config(**settings)
     processors = []
     if config.repetition_penalty != 1.0:
@@ -61,7 +69,7 @@ def naive_replay(logits, completion_ids, prompt_ids, prompt_mask, mask, settings
     n, t, _ = logits.shape
     expected = torch.zeros((n, t))
     for i in range(n):
-        prompt = prompt_ids[i][prompt_mask[i].bool()]  # the left padding dropped
+        prompt = prompt_ids[i][prompt_mask[i].bool()] if GENERATE_SKIPS_PADDING else prompt_ids[i]
         for c in range(t):
             if not mask[i, c]:
                 continue
@@ -81,7 +89,7 @@ def random_rows(seed=0, n=5, P=6, t=7, V=50):
     prompt_ids = torch.randint(0, V, (n, P), generator=g)
     prompt_mask = torch.ones((n, P), dtype=torch.long)
     prompt_mask[1, :2] = prompt_mask[3, :4] = 0
-    prompt_ids[prompt_mask == 0] = 0  # the pad token: never penalised for the padding
+    prompt_ids[prompt_mask == 0] = 0  # the pad token: penalised for the padding only before transformers 5.23
     completion_ids = torch.randint(0, V, (n, t), generator=g)
     completion_ids[:, 2] = prompt_ids[:, -1]  # a repeat of the prompt
     completion_ids[:, 4] = completion_ids[:, 1]  # a repeat of the completion
@@ -106,6 +114,49 @@ def test_the_replay_matches_a_naive_loop_over_transformers_processors(name):
     # the case bites: the distribution is not the plain softmax
     plain = torch.log_softmax(logits, dim=-1).gather(2, completion_ids[..., None]).squeeze(-1)
     assert (got - plain).abs()[(mask == 1) & got.isfinite()].max() > 0.05
+
+
+def test_generate_skips_the_padding_in_its_repetition_penalty_as_the_probe_says(tokenizer):
+    """`GENERATE_SKIPS_PADDING` (probed once, on the processor's signature) against what the installed `generate`
+    does: the processed scores of its first step (`output_scores`) against the raw logits (`output_logits`) at the pad
+    token, which only the left padding of the shorter row holds."""
+    model = build_tiny_model(tokenizer, seed=3).eval()
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["A much longer prompt, with more tokens", "Why?"])
+    pad = tokenizer.pad_token_id
+    assert (
+        not prompt_mask[0].eq(0).any()
+        and prompt_mask[1].eq(0).any()
+        and not prompt_ids[1][prompt_mask[1] == 1].eq(pad).any()
+    )
+    config = GenerationConfig(max_new_tokens=1, do_sample=False, repetition_penalty=2.0, pad_token_id=pad)
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )  # fmt: skip
+    scores, logits = out.scores[0], out.logits[0]  # [2, V] processed, raw
+    assert not torch.equal(scores[1, prompt_ids[1, -1]], logits[1, prompt_ids[1, -1]])  # a real token: penalised
+    assert torch.equal(scores[1, pad], logits[1, pad]) == GENERATE_SKIPS_PADDING  # the padding's pad token
+    assert torch.equal(scores[0, pad], logits[0, pad])  # the unpadded row has none
+
+
+@pytest.mark.parametrize("skip_padding", [True, False, None])
+def test_the_repetition_penalty_reads_the_padding_as_asked_on_every_version(skip_padding):
+    """`repetition_penalty_processor`: skipping the left padding (transformers' own per-row ignore length from 5.23 on,
+    `_PenaltyPastPadding` before), penalising it, or as `generate` does (None); each row against transformers'
+    processor on the tokens it must read, alone."""
+    _, completion_ids, prompt_ids, prompt_mask, _ = random_rows(seed=2)
+    scores = 2.0 * torch.randn((len(prompt_ids), 50), generator=torch.Generator().manual_seed(3))  # [n, V]
+    history = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P + t]
+    got = repetition_penalty_processor(1.7, prompt_mask, skip_padding)(history, scores)
+    skips = GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding
+    past_padding = _PenaltyPastPadding(1.7, (prompt_mask != 0).int().argmax(dim=1))(history, scores)
+    for i in range(len(history)):
+        read = history[i, (prompt_mask[i] == 0).sum() if skips else 0 :]  # the padding is the first columns
+        expected = RepetitionPenaltyLogitsProcessor(1.7)(read[None], scores[i : i + 1])
+        assert torch.equal(got[i : i + 1], expected), i
+        if skips:
+            assert torch.equal(past_padding[i : i + 1], expected), i
+    assert not torch.equal(past_padding, RepetitionPenaltyLogitsProcessor(1.7)(history, scores))  # the case bites
 
 
 def test_a_token_outside_the_kept_support_gets_minus_infinity():

@@ -71,6 +71,7 @@ from grpo_hf.rollout.sampling import (
     prefill_distinct_prompts,
     resolve_sampling_settings,
     sample_categorical,
+    unpenalised_padding,
     unsupported_reason,
 )
 
@@ -119,11 +120,12 @@ class SamplingSettings:
 
 
 def prompt_seen_mask(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] bool: the tokens of each prompt row from its first real token on (the left padding is skipped, as
-    `generate`'s repetition penalty does); ids >= vocab_size (no logit) are dropped."""
-    first_real = (prompt_mask != 0).int().argmax(dim=1, keepdim=True)  # [N, 1]
+    """[N, V] bool: the tokens of each prompt row that the installed `generate`'s repetition penalty reads: from its
+    first real token on (transformers >= 5.23), or all, its left padding's pad token included (5.19 to 5.22;
+    `sampling.unpenalised_padding`); ids >= vocab_size (no logit) are dropped."""
+    skipped = unpenalised_padding(prompt_mask)[:, None]  # [N, 1]
     positions = torch.arange(prompt_ids.size(1), device=prompt_ids.device)[None]  # [1, P]
-    ids = prompt_ids.masked_fill(positions < first_real, vocab_size).clamp(max=vocab_size)  # [N, P]
+    ids = prompt_ids.masked_fill(positions < skipped, vocab_size).clamp(max=vocab_size)  # [N, P]
     seen = torch.zeros((prompt_ids.size(0), vocab_size + 1), dtype=torch.bool, device=prompt_ids.device)  # [N, V + 1]
     return seen.scatter_(1, ids, True)[:, :vocab_size]
 

@@ -7,7 +7,9 @@ of growing by concatenation, the other layers are transformers' own; finished ro
 (`cache_layers.select_rows`) when enough steps remain to pay for it; a token costs one uniform draw per row (inverse
 transform sampling) instead of `torch.multinomial`'s one exponential per vocabulary entry. The logits
 go through the same `transformers` processors, in the same order, as in `model.generate`, so the
-sampled distribution is the configured one. On a GPU it is bound by kernel launches: use `cuda_graph`.
+sampled distribution is the configured one (the repetition penalty reads a row's left padding as the installed
+`generate` does: `sampling.GENERATE_SKIPS_PADDING`; tool episodes' turns, `decode_turns`, skip it on every version).
+On a GPU it is bound by kernel launches: use `cuda_graph`.
 """
 
 from __future__ import annotations
@@ -272,7 +274,10 @@ def decode_turns(
     `source.turn_done(key, turn, logps)` gets each row's turn as soon as it ends (an EOS, or its budget), with
     the log-probs of its tokens under the sampling distribution, and returns whether the episode comes back for another
     turn (a source that returns None is taken to); the row leaves the batch. The draw at each step is the `loop`
-    engine's (the same processors as `model.generate`; `do_sample=False`: the most likely token); `blocked_token_ids`
+    engine's (the same processors as `model.generate`; `do_sample=False`: the most likely token), the repetition
+    penalty reading a row's own tokens and never its left padding, on every transformers version (before 5.23,
+    `generate` also penalises the pad token of a padded row: `sampling.GENERATE_SKIPS_PADDING`, which would make a
+    row's tokens depend on the rows beside it and on when it joined); `blocked_token_ids`
     (a VLM's image tokens) are never drawn. A source with a `draws(keys)` method gives the joining rows' random streams
     (`sampling.RowDraws`), and each row draws its uniforms from its own stream, so its tokens do not depend on which
     rows share the batch or when it joined; without one, each step draws from the global generator.
@@ -343,7 +348,9 @@ class _Step:
         if self.blocked.numel():
             logits = logits.index_fill(1, self.blocked, float("-inf"))  # [A, V]
         sampling = bool(self.config.do_sample)
-        scores = logits_processors(self.config, rows.mask, sampling=sampling)(rows.tokens, logits)  # [A, V]
+        # the penalty skips the padding on every transformers version: a row's tokens do not depend on its batch
+        processors = logits_processors(self.config, rows.mask, sampling=sampling, skip_padding=True)
+        scores = processors(rows.tokens, logits)  # [A, V]
         if not sampling:
             tokens = scores.argmax(dim=-1)  # [A]
         else:

@@ -4,15 +4,23 @@ streams (`RowDraws`): counter-based uniforms, so that what a row samples does no
 thread draws it, `RecordLogps`, which records the log-probs `model.generate` drew its tokens with, and
 `SamplingReplay`, which applies the same processors to the trainer's logits, so that an importance weight compares
 the sampler's log-probs with the trainer's under one distribution.
+
+The repetition penalty and left padding: which tokens the installed `generate` penalises is checked once, at import
+(`GENERATE_SKIPS_PADDING`): transformers >= 5.23 skips each row's left padding, 5.19 to 5.22 penalise every input
+token, the pad token of a left-padded row included. The engines that follow `generate` (`loop`, `cuda_graph`) and the
+replay read it through `unpenalised_padding`; a multi-turn decoder whose batch is not `generate`'s
+(`loop.decode_turns`) skips the padding on every version, so that a row's tokens do not depend on its batch.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -27,6 +35,8 @@ from transformers.cache_utils import DynamicLayer
 from grpo_hf.cache_layers import cache_keyword, cache_layer_classes, layers_outside
 from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
 from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
+
+logger = logging.getLogger(__name__)
 
 # Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
 # model's `generation_config` sets one (transformers' global defaults).
@@ -108,17 +118,80 @@ def resolve_sampling_settings(model, generation_config):
     return resolved
 
 
-def logits_processors(generation_config, prompt_mask: torch.Tensor, sampling: bool = True) -> LogitsProcessorList:
+def _penalty_skips_padding() -> bool:
+    """Whether the installed `RepetitionPenaltyLogitsProcessor` takes a per-row `prompt_ignore_length` (a 1-D tensor):
+    from transformers 5.23 on it does, and `generate` passes it each row's left padding (`GENERATE_SKIPS_PADDING`)."""
+    try:
+        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
+    except (TypeError, ValueError):  # 5.19 to 5.22: "`prompt_ignore_length` has to be a positive integer"
+        return False
+    return True
+
+
+# Whether `model.generate`'s repetition penalty skips each row's left padding, with the installed transformers.
+# transformers >= 5.23: yes; `GenerationMixin._get_logits_processor` builds the processor with `prompt_ignore_length`
+# = each row's left-padding length (`(attention_mask != 0).int().argmax(1)`), a per-row tensor that the processor
+# accepts from 5.23 on (both changed in 5.23), so a row's penalised tokens are its own. transformers 5.19 to 5.22: no;
+# `generate` builds `RepetitionPenaltyLogitsProcessor(penalty)`, which penalises every input token, the pad token of
+# a left-padded row included (which rows are padded depends on the batch), and the processor rejects a tensor.
+# Probed once, at import, by constructing the processor with a 1-D tensor (both changed together, so the processor's
+# signature says what `generate` does); every place that must agree with `generate` reads it (`unpenalised_padding`).
+GENERATE_SKIPS_PADDING: bool = _penalty_skips_padding()
+
+
+def unpenalised_padding(prompt_mask: torch.Tensor, skip_padding: bool | None = None) -> torch.Tensor:
+    """[N] long: how many leading positions of each row the repetition penalty does not read: the row's left padding
+    (`prompt_mask` [N, P] is 0 there) where the padding is skipped, else 0. `skip_padding` None: as the installed
+    `generate` does (`GENERATE_SKIPS_PADDING`)."""
+    if skip_padding is None:
+        skip_padding = GENERATE_SKIPS_PADDING
+    if not skip_padding:
+        return torch.zeros(prompt_mask.size(0), dtype=torch.long, device=prompt_mask.device)
+    return (prompt_mask != 0).int().argmax(dim=1)  # [N]
+
+
+class _PenaltyPastPadding(LogitsProcessor):
+    """transformers' repetition penalty on each row's tokens from position `skip[i]` on, where the installed processor
+    takes no per-row `prompt_ignore_length` (transformers < 5.23): the skipped positions are given the row's token at
+    `skip[i]`, which the penalty reads anyway, so the penalised tokens, and the scores, are those of 5.23's processor
+    with `prompt_ignore_length=skip`. A tensor operation per call, no host sync."""
+
+    def __init__(self, penalty: float, skip: torch.Tensor):
+        self.penalty, self.skip = RepetitionPenaltyLogitsProcessor(penalty), skip  # [N]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        skip = self.skip.to(input_ids.device)[:, None]  # [N, 1]
+        first = input_ids.gather(1, skip.clamp(max=input_ids.size(1) - 1))  # [N, 1] each row's first read token
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)[None]  # [1, C]
+        return self.penalty(torch.where(positions < skip, first, input_ids), scores)
+
+
+def repetition_penalty_processor(penalty: float, prompt_mask: torch.Tensor, skip_padding: bool | None = None):
+    """The repetition penalty for rows whose prompts have the mask `prompt_mask` [N, P] (left padding 0), built as the
+    installed `generate` builds it (`skip_padding` None, `GENERATE_SKIPS_PADDING`: transformers' processor with each
+    row's padding length, or with no ignore length at all before 5.23). `skip_padding=True` skips the padding on every
+    version (`_PenaltyPastPadding` where the processor takes no per-row length); False penalises it."""
+    if not (GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding):
+        return RepetitionPenaltyLogitsProcessor(penalty)  # every input token, as `generate` before 5.23
+    skip = unpenalised_padding(prompt_mask, skip_padding=True)  # [N]
+    if GENERATE_SKIPS_PADDING:
+        return RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=skip)
+    return _PenaltyPastPadding(penalty, skip)
+
+
+def logits_processors(
+    generation_config, prompt_mask: torch.Tensor, sampling: bool = True, skip_padding: bool | None = None
+) -> LogitsProcessorList:
     """The processors `model.generate` applies for these sampling settings, in its order.
 
-    Repetition penalty first (the prompt's left padding excluded, as in `generate`), then, when `sampling` (greedy
-    decoding applies none of them), temperature, top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
+    Repetition penalty first (`repetition_penalty_processor`: as the installed `generate` builds it, or with the
+    prompt's left padding skipped or penalised where `skip_padding` says), then, when `sampling` (greedy decoding
+    applies none of them), temperature, top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
     """
     processors = LogitsProcessorList()
     config = generation_config
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, padding_lengths))
+        processors.append(repetition_penalty_processor(config.repetition_penalty, prompt_mask, skip_padding))
     if sampling:
         processors.extend(sampling_warpers(config))
     return processors
@@ -373,13 +446,15 @@ def replayed_logps(
     mask: torch.Tensor,
     generation_config,
     chunk_size: int | None = None,
+    skip_padding: bool | None = None,
 ) -> torch.Tensor:
     """The log-probs [n, t] float32 of `completion_ids` [n, t] under the distribution the engines draw each token from,
     from the logits [n, t, V] that predict them: `logits_processors` of `generation_config` (resolved), exactly as
     `model.generate` applies them at that token's step, then log-softmax. At the positions of `mask` [n, t]; 0 off it.
 
     A token outside the kept support (top-k, top-p, min-p) gets -inf. The repetition penalty reads each position's
-    context, the row's prompt (`prompt_ids` [n, P], left padding `prompt_mask` excluded) and its completion before the
+    context, the row's prompt (`prompt_ids` [n, P]; its left padding, 0 in `prompt_mask`, as `generate` reads it, or
+    as `skip_padding` says: `repetition_penalty_processor`) and its completion before the
     position (tool output included); a context is the row's whole [P + t - 1] tokens with the positions after it
     filled with its own last token, which is in the context already, so the penalised set is the same. Positions go
     `chunk_size` at a time (default: `CHUNK_ELEMENTS` logits, or context ids, per chunk), each upcast to float32 as
@@ -403,7 +478,7 @@ def replayed_logps(
             positions = torch.arange(context.size(1), device=context.device)  # [P + t - 1]
             after = positions[None, :] >= (prompt_ids.size(1) + c)[:, None]  # [k, P + t - 1]
             inputs = torch.where(after, last[:, None], context[r])  # [k, P + t - 1]
-        scores = logits_processors(generation_config, prompt_mask[r])(inputs, scores)  # [k, V]
+        scores = logits_processors(generation_config, prompt_mask[r], skip_padding=skip_padding)(inputs, scores)
         logps[r, c] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return logps
 
@@ -416,16 +491,36 @@ class SamplingReplay:
     top-p, min-p), which the trainer's temperature-only log-probs over the whole vocabulary are not. A weight
     pi_prox / pi_behav that compares the two carries log(kept mass) at every token, even with unchanged weights; with
     the proximal policy's log-probs replayed under the same processors, it measures the policy's drift only.
-    `of` gives None where the two distributions are one (no penalty, no truncation, the same temperature)."""
+    `of` gives None where the two distributions are one (no penalty, no truncation, the same temperature).
+
+    The repetition penalty reads a row's left padding as the installed `generate` does (`GENERATE_SKIPS_PADDING`),
+    unless `skip_padding` says otherwise (True for a sampler without padding: vLLM). Before transformers 5.23,
+    `generate` penalises the pad token of the rows it got left-padded, and a training micro-batch pads its rows anew,
+    so a row's replay can then differ from its draw by that token's penalty (`of` warns)."""
 
     generation_config: Any  # the resolved settings the engines sample with (`resolve_sampling_settings`)
+    skip_padding: bool | None = None  # None: as `generate` does (`repetition_penalty_processor`)
 
     @classmethod
-    def of(cls, model, generation_config, temperature: float) -> SamplingReplay | None:
+    def of(
+        cls, model, generation_config, temperature: float, skip_padding: bool | None = None
+    ) -> SamplingReplay | None:
         """The replay of what the engines draw from for `model` with `generation_config` (resolved as they resolve
-        it), or None when that is the softmax at the trainer's `temperature`."""
+        it), or None when that is the softmax at the trainer's `temperature`. `skip_padding`: what the sampler's
+        repetition penalty does with a row's left padding (None: what `generate` does)."""
         resolved = resolve_sampling_settings(model, generation_config)
-        return cls(resolved) if changes_distribution(resolved, temperature) else None
+        if not changes_distribution(resolved, temperature):
+            return None
+        penalised = resolved.repetition_penalty not in (None, 1.0)
+        if penalised and not (GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding):
+            logger.warning(
+                "transformers %s's generate applies the repetition penalty to the pad token of every row it gets "
+                "left-padded (transformers >= 5.23 skips the padding), and a training micro-batch pads its rows "
+                "anew: the replayed sampling log-probs of a row whose padding differs there are off by that token's "
+                "penalty, and so is its importance weight. Upgrade transformers to 5.23 or later for exact weights.",
+                transformers.__version__,
+            )
+        return cls(resolved, skip_padding)
 
     def __call__(self, batch, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """`replayed_logps` [n, t] of the rows `rows` [n] of `batch` (a `batching.Sequences`), from their logits
@@ -434,4 +529,5 @@ class SamplingReplay:
         completion_ids = batch.completion_ids[rows, :t]  # [n, t]
         mask = batch.completion_mask[rows, :t]  # [n, t]
         prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]  # [n, P]
-        return replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, self.generation_config)
+        config, skip_padding = self.generation_config, self.skip_padding
+        return replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, config, skip_padding=skip_padding)
