@@ -37,7 +37,9 @@ It samples what `model.generate` samples (the same processors, in the same order
   `Sampler` they run as one matmul with merged copies (`lora_decode`), which the graph reads in place as it does the
   parameters (refreshed by `copy_`, so the captured graph stays valid).
 - Precision: the call runs under the trainer's autocast (`autocast`), also where the model called is a PEFT
-  wrapper's base model, which accelerate's autocast wrapper does not cover.
+  wrapper's base model, which accelerate's autocast wrapper does not cover. The static cache keeps the prefill's key
+  and value dtypes, as `generate`'s cache does (under autocast with fp32 weights: fp32 keys, and bf16 values, or fp32
+  ones where transformers < 5.24 promotes them to the keys' dtype), and the step writes its states in them.
 - Failures: a compiled bucket's first calls (compile, CUDA-graph recording, first replay) run guarded; an error there
   restores the step's state and leaves the bucket eager, with one warning (the traceback at DEBUG).
 - Compiles: Dynamo keeps one entry per bucket the step was ever compiled for, in this process (the code object is
@@ -243,8 +245,10 @@ class StaticRowsLayer(CacheLayerMixin):
         """Nothing to do: the buffers are allocated up front."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.slot, key_states)
-        self.values.index_copy_(2, self.slot, value_states)
+        # In the buffers' dtypes, the prefill's: under autocast with fp32 weights, the step's values are bf16, and
+        # transformers < 5.24's DynamicLayer promotes them to the keys' fp32 in the prefill, as in `generate`'s cache.
+        self.keys.index_copy_(2, self.slot, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.slot, value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
