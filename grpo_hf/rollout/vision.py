@@ -18,7 +18,9 @@ G rows), or None for a text-only row.
 
 A tool may answer with content parts holding images (`[{"type": "image", "image": PIL image}, {"type": "text",
 ...}]`, as TRL's tools do): `tool_reply_inputs` renders such a reply with the processor, which puts the model's image
-tokens in the places the chat template gives the images, and returns the reply's image inputs beside its ids.
+tokens in the places the chat template gives the images, and returns the reply's image inputs beside its ids. A chat
+template that renders no place for a reply's image (one that renders only text in tool messages) is an error, on
+every transformers version (`check_image_places`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,16 @@ def tokenize_vision_prompts(
     return prompt_ids, prompt_mask, torch.tensor(truncated), rows
 
 
+def check_image_places(processor, text: str, images: int) -> None:
+    """A ValueError unless the rendered `text` holds the processor's image token (`processor.image_token`, where the
+    processor expands an image into its tokens) once per image, as transformers >= 5.23's processors check themselves
+    (`ProcessorMixin.validate_inputs`); before 5.23 a processor encodes the images whether or not the text has a
+    place for them, and the model reads none of them. A processor without an image token is not checked."""
+    token = getattr(processor, "image_token", None)
+    if token is not None and text.count(token) != images:
+        raise ValueError(f"The text holds {text.count(token)} {token} token(s) for {images} image(s).")
+
+
 def reply_images(replies: Sequence[dict[str, Any]]) -> list:
     """The images in the content parts of tool messages `replies` (`{"type": "image", "image": ...}`), in order."""
     return [
@@ -161,6 +173,11 @@ def tool_reply_inputs(
     encoded = {}
 
     def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        if reply_images(messages):
+            text = processor.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+            check_image_places(processor, text, len(reply_images(messages)))
         output = processor.apply_chat_template(
             messages,
             tokenize=True,
