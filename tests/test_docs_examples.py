@@ -4,10 +4,11 @@ A block runs unless the last non-blank line before it is `<!-- not-run: reason -
 blocks and checks the markers), so a new example runs by default. Each runs in a fresh namespace, in a temporary
 working directory, with the Hub offline and only two kinds of change:
 
-- **model ids**: each Hub id the block quotes is replaced by a local tiny model of the same kind (`MODEL_IDS`): a
-  byte-level tokenizer with TRL's Qwen2.5 chat template (which renders tools) for the text models, an Idefics3 and
-  its processor for the vision-language one. A quoted "org/name" that is not in `MODEL_IDS` fails the test (it would
-  go to the network);
+- **model ids**: each Hub id the block quotes, and the offline model (`offline_model_path()`, or its alias
+  quoted), is replaced by a local tiny model of the same kind (`MODEL_IDS`): a byte-level tokenizer with TRL's
+  Qwen2.5 chat template (which renders tools) for the text models, an Idefics3 and its processor for the
+  vision-language one. A quoted "org/name" that is not in `MODEL_IDS` fails the test (it would go to the network), and
+  so does a call of `offline_model_path` with arguments (it would convert the real model);
 - **sizes**: every `GRPOConfig(...)` the block builds gets `SIZES` and `CPU_RUN` over its own values: one step of
   one group of 2 completions of a few tokens on the CPU, no prompt truncation (the byte-level tokenizer spends a
   token per byte, about four times a real one's count), nothing saved or reported.
@@ -32,12 +33,14 @@ from test_readme import DOCUMENTS, python_blocks
 from tiny_vlm import tiny_idefics3
 
 from grpo_hf import GRPOTrainer
+from grpo_hf.offline_model import OFFLINE_MODEL_ID
 
 QWEN_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
 
 MODEL_IDS = {
     "Qwen/Qwen2.5-0.5B-Instruct": "text",
     "Qwen/Qwen2.5-VL-3B-Instruct": "vision",
+    OFFLINE_MODEL_ID: "text",  # SmolLM2-135M-Instruct
 }
 """The Hub ids the examples name -> which tiny model stands in for them."""
 
@@ -50,7 +53,8 @@ SIZES = dict(
 )
 CPU_RUN = dict(use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
 
-HUB_ID = re.compile(r"""(["'])([A-Za-z][\w.-]*/[A-Za-z][\w.-]*)\1""")  # "org/name"
+HUB_ID = re.compile(r"""(["'])((?:[A-Za-z][\w.-]*/|offline:)[A-Za-z][\w.-]*)\1""")  # "org/name", the offline alias
+OFFLINE_CALL = re.compile(r"(?<![\w.])offline_model_path\(\)")  # the offline model's directory
 CONFIG_CALL = re.compile(r"(?<![\w.])GRPOConfig\(")
 
 EXAMPLES = [(name, code) for document in DOCUMENTS for name, code, reason in python_blocks(document) if not reason]
@@ -74,7 +78,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 
 def with_tiny_models(code: str, name: str, directories: dict[str, str]) -> str:
-    """`code` with each quoted Hub id replaced by its tiny model's directory."""
+    """`code` with each quoted Hub id, and each `offline_model_path()`, replaced by its tiny model's directory."""
 
     def local(match: re.Match) -> str:
         hub_id = match[2]
@@ -85,6 +89,11 @@ def with_tiny_models(code: str, name: str, directories: dict[str, str]) -> str:
             )
         return repr(directories[MODEL_IDS[hub_id]])
 
+    code = OFFLINE_CALL.sub(repr(directories[MODEL_IDS[OFFLINE_MODEL_ID]]), code)
+    if "offline_model_path(" in code:
+        pytest.fail(
+            f"{name} calls offline_model_path with arguments: call it as offline_model_path(), which is replaced"
+        )
     return HUB_ID.sub(local, code)
 
 
@@ -103,6 +112,25 @@ def test_the_examples_are_found():
     names = [name for name, _ in EXAMPLES]
     assert any(name.startswith("README.md") for name in names)
     assert sum(name.startswith("docs/tools.md") for name in names) == 2
+
+
+def test_the_first_examples_name_the_offline_model():
+    """The README's Python example and the tools examples run as written after `make install`, offline: they train the
+    offline model, not a Hub id (which they may name in a comment, for a GPU)."""
+    first = [code for name, code in EXAMPLES if name.startswith(("README.md", "docs/tools.md"))]
+    assert len(first) == 3
+    for code in first:
+        code_only = "\n".join(line.split("#")[0] for line in code.splitlines())
+        assert OFFLINE_CALL.search(code_only) and not HUB_ID.search(code_only)
+
+
+def test_model_ids_are_replaced_and_unknown_ones_fail():
+    directories = {"text": "/tiny/text", "vision": "/tiny/vision"}
+    code = f'a = offline_model_path()\nb = "{OFFLINE_MODEL_ID}"\nc = "Qwen/Qwen2.5-VL-3B-Instruct"'
+    assert with_tiny_models(code, "x", directories) == "a = '/tiny/text'\nb = '/tiny/text'\nc = '/tiny/vision'"
+    for code in ('GRPOTrainer(model="someone/some-model")', 'offline_model_path(cache_dir="cache")'):
+        with pytest.raises(pytest.fail.Exception):
+            with_tiny_models(code, "x", directories)
 
 
 def run_example(name: str, code: str, directories: dict[str, str], trainer_class, sizes: dict) -> None:
