@@ -19,6 +19,9 @@ VLLM_LOCKED = $(if $(VLLM_LOCK),-c $(VLLM_LOCK))
 LATEST_VENV ?= .venv-latest
 LATEST_VLLM_VENV ?= .venv-vllm-latest
 LOWEST_VENV ?= .venv-lowest
+# The torch `make test-latest` installs: the newest release (on x86-64 PyPI, a CUDA build of several GB, which runs on
+# a CPU too). These machines cap pip at torch 2.14.1 (/etc/xdg/pip): PIP_CONSTRAINT=/dev/null lifts it for one command
+LATEST_TORCH_SPEC ?= torch
 # The tests that meet transformers', TRL's and accelerate's internals: model families and their cache layers, the
 # rollout engines, the log-prob paths, TRL's API and metrics, and the docs' examples (`make test-latest`, `test-lowest`)
 VERSION_TESTS ?= tests/test_cache_layers.py tests/test_families.py tests/test_loop_families.py \
@@ -71,7 +74,7 @@ test: install install-vllm
 # on them; it prints the versions it ran (docs/versions.md keeps each session's result)
 test-latest:
 	rm -rf $(LATEST_VENV)
-	$(MAKE) install VENV=$(LATEST_VENV) LOCK=
+	$(MAKE) install VENV=$(LATEST_VENV) LOCK= TORCH_SPEC="$(LATEST_TORCH_SPEC)"
 	$(LATEST_VENV)/bin/python requirements/versions.py
 	$(LATEST_VENV)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
 	@echo "test-latest passed on: $$($(LATEST_VENV)/bin/python requirements/versions.py)"
