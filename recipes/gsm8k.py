@@ -24,6 +24,7 @@ recipe uses (GSM8K data and prompts, greedy evaluation, the training-curves plot
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
@@ -353,10 +354,21 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def leave_together() -> None:
+    """End a multi-process run once every rank is done: leave together and close the process group (a rank that exits
+    while the others still hold their gloo/NCCL connections can abort at interpreter shutdown), then run the exit
+    handlers (loggers, trackers) and skip the interpreter's teardown, where gloo's threads still abort a process now
+    and then ("terminate called without an active exception", exit code -6) after every result is written."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    PartialState().wait_for_everyone()
+    PartialState().destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
-    # Leave together and close the process group: a rank that exits while the others still hold their
-    # gloo/NCCL connections can abort at interpreter shutdown ("terminate called without an active exception").
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        PartialState().wait_for_everyone()
-        PartialState().destroy_process_group()
+    leave_together()
