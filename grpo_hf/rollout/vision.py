@@ -173,11 +173,12 @@ def tool_reply_inputs(
     encoded = {}
 
     def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        if reply_images(messages):
+        images = reply_images(messages)
+        if images:
             text = processor.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
-            check_image_places(processor, text, len(reply_images(messages)))
+            check_image_places(processor, text, len(images))
         output = processor.apply_chat_template(
             messages,
             tokenize=True,
