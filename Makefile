@@ -70,14 +70,19 @@ test: install install-vllm
 	$(VLLM_PY) requirements/versions.py
 	$(VLLM_PY) -m pytest -q -m "vllm and not benchmark" tests
 
+# The version-sensitive tests in environment $(1), between the versions they run on and a line saying they passed
+define version_tests
+$(1)/bin/python requirements/versions.py
+	$(1)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
+	@echo "$(2) passed on: $$($(1)/bin/python requirements/versions.py)"
+endef
+
 # Drift, not CI: the newest versions pyproject.toml allows, in a new $(LATEST_VENV), and the version-sensitive tests
 # on them; it prints the versions it ran (docs/versions.md keeps each session's result)
 test-latest:
 	rm -rf $(LATEST_VENV)
 	$(MAKE) install VENV=$(LATEST_VENV) LOCK= TORCH_SPEC="$(LATEST_TORCH_SPEC)"
-	$(LATEST_VENV)/bin/python requirements/versions.py
-	$(LATEST_VENV)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
-	@echo "test-latest passed on: $$($(LATEST_VENV)/bin/python requirements/versions.py)"
+	$(call version_tests,$(LATEST_VENV),test-latest)
 
 # The lower bounds of pyproject.toml: each direct dependency at its lowest allowed version (requirements/lowest.py;
 # torch stays TORCH_SPEC's), in a new $(LOWEST_VENV), and the version-sensitive tests on them
@@ -85,9 +90,7 @@ test-lowest:
 	rm -rf $(LOWEST_VENV)
 	python3 requirements/lowest.py > requirements/lowest.txt
 	$(MAKE) install VENV=$(LOWEST_VENV) LOCK=requirements/lowest.txt
-	$(LOWEST_VENV)/bin/python requirements/versions.py
-	$(LOWEST_VENV)/bin/python -m pytest -q -m "not benchmark and not vllm" $(VERSION_TESTS)
-	@echo "test-lowest passed on: $$($(LOWEST_VENV)/bin/python requirements/versions.py)"
+	$(call version_tests,$(LOWEST_VENV),test-lowest)
 
 # Refresh the locks: the newest versions pyproject.toml allows, in new environments, the whole suite (`make test`) on
 # them, and the locks rewritten only when it passes
