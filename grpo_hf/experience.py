@@ -202,15 +202,18 @@ class ExperienceMaker:
     def set_old_logps(self, batch: MicroBatch) -> None:
         """`batch.old_logps` where an optimizer step separates the rollout from its last use (else None: the current
         policy's, detached). A batch the loss corrects (it has the sampler's log-probs) under sampling settings that
-        penalise or truncate (`replay`) also gets `old_sampling_logps`: pi_old under the sampling distribution, for the
-        weight pi_old / pi_sampler only, from the same forward (one more forward where old log-probs are not needed:
-        no optimizer step separates it from the training forwards, so the policy is the one they run)."""
+        penalise or truncate (`replay`) then also gets `old_sampling_logps`, pi_old under the sampling distribution,
+        for the weight pi_old / pi_sampler only, from the same no-grad forward. Without old log-probs, pi_old is the
+        policy the training forward runs, and that forward replays its own logits (`logprobs.ProxReplay`): no forward
+        here."""
+        if not self.needs_old_logps:
+            batch.old_logps = None
+            return
         policy = self.models.policy()
         if self.replay is None or batch.sampling_logps is None:
-            batch.old_logps = self.logps.no_grad(policy, batch) if self.needs_old_logps else None
-            return
-        old_logps, batch.old_sampling_logps = self.logps.no_grad(policy, batch, replay=self.replay)
-        batch.old_logps = old_logps if self.needs_old_logps else None
+            batch.old_logps = self.logps.no_grad(policy, batch)
+        else:
+            batch.old_logps, batch.old_sampling_logps = self.logps.no_grad(policy, batch, replay=self.replay)
 
     def eval_batch(self, inputs: list[dict[str, Any]]) -> MicroBatch | None:
         """An evaluation batch, sampled with `num_generations_eval` completions per prompt, scored, with advantages

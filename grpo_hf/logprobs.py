@@ -18,6 +18,10 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
   and normalisers are fixed, so its gradient can be accumulated one group at a time; only one group's
   activations are alive at once. The MoE load-balancing loss is one too once its expert counts are fixed, by a
   no-grad routing pass first (`expert_load`, `RouterTally.share`).
+- **pi_prox from the training forward** (`ProxReplay`): where no optimizer step separates a corrected micro-batch's
+  start from its training forward, the proximal policy is the one that forward runs. Its log-probs under the
+  sampler's distribution (`rollout.sampling.SamplingReplay`) are replayed on that forward's own logits, detached,
+  instead of a no-grad forward of their own.
 """
 
 from __future__ import annotations
@@ -395,6 +399,7 @@ def padded_logps(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     router_aux: list[torch.Tensor] | None = None,
+    prox_replay: ProxReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
@@ -404,9 +409,12 @@ def padded_logps(
     with a gradient when `entropy_grad` (for the entropy bonus; else detached, a metric and a mask).
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
+    `prox_replay` (`ProxReplay`): the same logits, detached, replayed under the sampler's distribution into it.
     """
     completion_ids = batch.completion_ids
     logits = _padded_logits(model, batch, router_aux)  # [B, T + 1, V]
+    if prox_replay is not None:
+        prox_replay(batch, torch.arange(len(batch), device=completion_ids.device), logits[:, :-1])
     # The log-softmax runs over all T + 1 kept positions, the last one against a dummy token, and its result is cut to
     # T: `logits[:, :-1]` would be a view whose rows cannot be flattened, walked row by row (B times the chunks).
     index = nn.functional.pad(completion_ids, (0, 1))  # [B, T + 1], token 0 at the dummy position
@@ -450,11 +458,13 @@ def shared_prefix_logps(
     entropy_grad: bool = False,
     router_aux: list[torch.Tensor] | None = None,
     router_load: ExpertLoad | None = None,
+    prox_replay: ProxReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
     bucket get 0. Needs the bare model (`supports_shared_prefix`). `router_aux`: as `padded_logps`'s, the
     load-balancing loss of the padded forward's tokens (`RouterTally`) appended to it; with `router_load` (the
-    routing of a micro-batch `batch` is part of, `expert_load`), these tokens' share of that micro-batch's loss."""
+    routing of a micro-batch `batch` is part of, `expert_load`), these tokens' share of that micro-batch's loss.
+    `prox_replay`: as `padded_logps`'s, each bucket's logits replayed into it."""
     completion_ids = batch.completion_ids
     T = completion_ids.size(1)
     rows, logps, entropy = [], [], []
@@ -462,6 +472,8 @@ def shared_prefix_logps(
     for bucket, logits in shared_prefix_logits(model, batch, router):  # logits [n, t, V], t <= T
         t = logits.size(1)
         rows.append(bucket)
+        if prox_replay is not None:
+            prox_replay(batch, bucket, logits)
         part_logps, part_entropy = _logps_and_entropy(
             logits, completion_ids[bucket, :t], temperature, chunk_size, with_entropy, entropy_grad
         )  # [n, t] each
@@ -532,6 +544,47 @@ def logps_and_replayed(
     return logps, replayed
 
 
+class ProxReplay:
+    """pi_prox's log-probs under the distribution the sampler drew from, replayed on the training forward's own logits
+    (`padded_logps`, `shared_prefix_logps` and `backward_per_group` call it), for a corrected micro-batch without old
+    log-probs.
+
+    A micro-batch has no old log-probs when no optimizer step separates its start from its training forwards
+    (`ExperienceMaker.needs_old_logps`): the proximal policy is then the policy those forwards run. Its
+    temperature-only log-probs are the forward's own, detached (`Objective.sampling_weight`); its replayed ones
+    (`replay(batch, rows, logits [n, t, V]) -> [n, t]`, `rollout.sampling.SamplingReplay`) come from the same logits,
+    detached and without grad, instead of from a no-grad forward of their own (`logps_and_replayed`), which they equal
+    float rounding aside (and dropout: the training forward's masks, as its temperature-only log-probs have them).
+    `values` [B, T] float32 is the micro-batch's `old_sampling_logps`, written in place one bucket of rows at a time;
+    a row whose logits have not come yet holds the sampler's own log-probs (weight 1, finite), as `backward_per_group`
+    computes the loss before the later groups' forwards. `offset`: the micro-batch's row where the rows a forward is
+    given start (one group's, in `backward_per_group`)."""
+
+    def __init__(self, replay: Callable[[Batch, torch.Tensor, torch.Tensor], torch.Tensor], values: torch.Tensor):
+        self.replay, self.values, self.offset = replay, values, 0
+
+    @classmethod
+    def into(cls, replay, batch: MicroBatch) -> ProxReplay:
+        """A replay into `batch.old_sampling_logps`, set to the sampler's own log-probs [B, T] until it is filled."""
+        batch.old_sampling_logps = batch.sampling_logps.float().clone()
+        return cls(replay, batch.old_sampling_logps)
+
+    def from_row(self, start: int) -> ProxReplay:
+        """The same replay and values, for a forward over the micro-batch's rows from `start` on."""
+        shifted = ProxReplay(self.replay, self.values)
+        shifted.offset = self.offset + start
+        return shifted
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """The replayed log-probs of `batch`'s rows `rows` [n] from their logits [n, t, V] (t <= T, at the first t
+        completion positions) into their rows of `values`; 0 past t, as `logps_and_replayed` leaves them."""
+        T = self.values.size(1)
+        t = min(logits.size(1), T)
+        part = self.replay(batch, rows, logits.detach()[:, :t])  # [n, t]
+        self.values[rows + self.offset] = nn.functional.pad(part.to(self.values.dtype), (0, T - t))
+
+
 @torch.no_grad()
 def logps_in_chunks(
     model: nn.Module, batch: Batch, micro_batch_size: int, *, share_prefix: bool, replay=None, **kwargs
@@ -568,15 +621,14 @@ def backward_per_group(
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """The micro-batch loss, its gradient accumulated one group (prompt run) at a time.
 
-    `loss_fn(logps [B, T]) -> (loss, metrics)` is the loss of the whole micro-batch. Every GRPO loss is a
-    sum of per-row terms once advantages and normalisers are fixed (docs/design.md ("The maths")), so its gradient with
-    respect to one group's log-probs depends on that group's rows only. For each group: its log-probs
-    (with gradient) go into the full [B, T] tensor, whose other rows hold detached values (log-probs of
-    earlier groups, placeholders for later ones), and `backward_fn(loss)` backpropagates the full loss,
-    reaching only this group's graph, which is then freed. The last group's loss, whose rows are all
-    real, is returned for the caller to backpropagate; its value and metrics are those of the whole
-    micro-batch. `kwargs` go to `shared_prefix_logps`. Returns `(loss, metrics, entropy [B, T])`, the entropy
-    detached.
+    `loss_fn(logps [B, T]) -> (loss, metrics)` is the loss of the whole micro-batch. Every GRPO loss is a sum of
+    per-row terms once advantages and normalisers are fixed (docs/design.md ("The maths")), so its gradient with
+    respect to one group's log-probs depends on that group's rows only. For each group: its log-probs (with gradient)
+    go into the full [B, T] tensor, whose other rows hold detached values (log-probs of earlier groups, placeholders
+    for later ones), and `backward_fn(loss)` backpropagates the full loss, reaching only this group's graph, which is
+    then freed. The last group's loss, whose rows are all real, is returned for the caller to backpropagate; its value
+    and metrics are those of the whole micro-batch. `kwargs` go to `shared_prefix_logps` (a `prox_replay` gets each
+    group's rows from the group's forward, `ProxReplay`). Returns `(loss, metrics, entropy [B, T])`, entropy detached.
 
     With `entropy_in_loss`, `loss_fn(logps, entropy)` also gets the entropy [B, T], built the same way: this
     group's rows from its forward (with a gradient when `entropy_grad=True` is in `kwargs`), earlier groups'
@@ -590,18 +642,19 @@ def backward_per_group(
     micro-batch's loss, which is appended to the list.
     """
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)
+    prox = kwargs.pop("prox_replay", None)  # `ProxReplay`: later groups' rows weigh 1 (no gradient) until they run
     # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
     placeholder = next((x for x in (batch.old_logps, batch.ref_logps) if x is not None), None)
     if placeholder is None:
         placeholder = torch.zeros_like(batch.completion_ids, dtype=torch.float32)
-    values = placeholder.clone()  # [B, T]
-    entropy = torch.zeros_like(values)  # [B, T]
+    values, entropy = placeholder.clone(), torch.zeros_like(placeholder)  # [B, T] each
     routed = router_aux is not None
     load, aux_done = (expert_load(model, batch) if routed else None), 0.0  # aux_done: earlier groups' shares
     for k, (start, stop) in enumerate(runs):
         part, shares = batch.rows(start, stop), ([] if routed else None)
+        replay = None if prox is None else prox.from_row(start)
         logps, part_entropy = shared_prefix_logps(
-            model, part, with_entropy=True, router_aux=shares, router_load=load, **kwargs
+            model, part, with_entropy=True, router_aux=shares, router_load=load, prox_replay=replay, **kwargs
         )  # [n, T] each
         logps = logps.to(values.dtype)
         inputs = [torch.cat([values[:start], logps, values[stop:]])]  # [B, T]
@@ -683,9 +736,15 @@ class LogprobPath:
             blocker = "images inside the completions (tool replies), which the shared-prefix forward does not read"
         return blocker
 
-    def kwargs(self, plan: ForwardPlan) -> dict:
-        """The keyword arguments of `completion_logps` under `plan`."""
-        return {"share_prefix": plan.share_prefix, "temperature": self.temperature, "chunk_size": plan.chunk_size}
+    def kwargs(self, plan: ForwardPlan, batch: MicroBatch | None = None, replay=None) -> dict:
+        """The keyword arguments of `completion_logps` under `plan`. For the training forward of `batch`, with
+        `replay` (the sampler's distribution, `rollout.sampling.SamplingReplay`; None: the correction's weight needs
+        none): when `batch` is corrected (it has the sampler's log-probs) and has no old log-probs, pi_prox is the
+        policy this forward runs, and `prox_replay` (`ProxReplay`) fills `batch.old_sampling_logps` from its logits."""
+        kwargs = {"share_prefix": plan.share_prefix, "temperature": self.temperature, "chunk_size": plan.chunk_size}
+        if replay is not None and batch is not None and batch.sampling_logps is not None and batch.old_logps is None:
+            kwargs["prox_replay"] = ProxReplay.into(replay, batch)
+        return kwargs
 
     def no_grad(self, model: nn.Module, batch: Batch, **kwargs):
         """`logps_in_chunks` of `model` on `batch` [B, T] (with `with_entropy=True`: and the entropy; with `replay`:

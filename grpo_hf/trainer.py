@@ -311,7 +311,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         batch, objective = inputs, self.objective
         plan = self.logps.plan(model, batch)
-        kwargs = self.logps.kwargs(plan)
+        kwargs = self.logps.kwargs(plan, batch, self.experience.replay)  # pi_prox replayed: `ProxReplay`
         share_prefix = kwargs.pop("share_prefix")
         # The bare module: a DDP wrapper's forward is bypassed, and `training_step` averages the gradients (when the
         # last micro-step of the optimizer step took this path: the plan may change between steps)
