@@ -161,6 +161,17 @@ class WeightSnapshot:
             return {v: [t.detach().cpu().clone() for t in tensors] for v, tensors in sorted(held.items())}
 
 
+def needed_versions(saved: dict[int, list] | None, version: int, staleness: int) -> dict[int, list] | None:
+    """Of the producer's weights a checkpoint kept (`saved`, {version: tensors}), those a run resumed at optimizer
+    step `version` with `max_staleness` = `staleness` may sample by; None if none. Every batch it has yet to train
+    trains at step `version` or later, so it is admitted at `version - staleness` or later: older versions are never
+    loaded. With the checkpoint's own staleness that is every version it kept; resumed at a lower one (3 -> 0), the
+    oldest are dropped, and at 0 all of them: the copy starts as the policy's own weights, as in a run that starts.
+    Resumed at a higher one, batches admitted before the oldest kept version take that one (fresher, never staler)."""
+    needed = {v: tensors for v, tensors in (saved or {}).items() if v >= version - staleness}
+    return needed or None
+
+
 def _cuda_event(model: nn.Module):
     """An event recorded now on the current CUDA stream if `model` is on a GPU (what another stream waits for before
     reading what this one wrote), else None."""
@@ -535,6 +546,7 @@ class AsyncRollouts:
             self.snapshot.attach(self.sampler.engine_for(model))
         else:
             on_load = lambda copy_: self.sampler.weights_updated(copy_)  # noqa: E731
+            saved = needed_versions(saved, version, args.max_staleness)  # a checkpoint of another max_staleness
             self.snapshot = WeightSnapshot(model, version, on_load, saved)
             self.sampler = make_sampler(self.snapshot.model)  # the producer's own engine, decoding the copy
             if args.max_staleness > 0 and version not in (saved or {}):  # the policy's own weights, staged too: the

@@ -1,0 +1,74 @@
+"""The lifecycle of a trainer and its producer (`grpo_hf.producer`, docs/async.md): a checkpoint resumed at another
+`max_staleness`, a second `train()` on the same trainer, a close cut short by Ctrl-C, and the order of the streams when
+a checkpoint reads the producer's copy of the weights."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+from conftest import train_logs
+from test_async import checkpointed, comparable
+from test_resume import checkpointed_trainer
+
+from grpo_hf import AsyncGRPOTrainer
+
+
+def grpo_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("grpo_hf") and thread.is_alive()]
+
+
+def checkpoint_2_of(tmp_path, staleness: int):
+    """A run dir holding only checkpoint 2 of a 4-step run at `staleness` (what a kill right after it leaves)."""
+    unbroken = checkpointed(tmp_path / f"written_at_{staleness}", staleness)
+    unbroken.train()
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / f"written_at_{staleness}" / "checkpoint-2", run_dir / "checkpoint-2")
+    return run_dir
+
+
+# ---- a checkpoint resumed at another max_staleness -----------------------------------------------------------------
+@pytest.mark.parametrize("written_at", [3, 1])
+def test_a_checkpoint_above_staleness_0_resumed_at_0_is_the_synchronous_resume(tmp_path, written_at):
+    """Above 0 a checkpoint keeps the producer's weights of the versions the batches sampled ahead are sampled by (at
+    3: versions 0 and 1); resumed by AsyncGRPOTrainer at 0 (every batch sampled by the policy's weights), it trains
+    to the end and is, bit for bit, GRPOTrainer's synchronous resume from the same checkpoint (which reads no
+    producer weights)."""
+    run_dir = checkpoint_2_of(tmp_path, staleness=written_at)
+    synchronous_dir = tmp_path / "synchronous"
+    shutil.copytree(run_dir, synchronous_dir)
+    resumed = checkpointed(run_dir, 0)
+    assert isinstance(resumed, AsyncGRPOTrainer)
+    resumed.train(resume_from_checkpoint=True)
+    synchronous = checkpointed_trainer(synchronous_dir, max_staleness=0, rollout_engine="loop")
+    synchronous.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    after = lambda trainer: [row for row in comparable(train_logs(trainer)) if row["step"] > 2]  # noqa: E731
+    assert len(after(resumed)) == 2 and after(resumed) == after(synchronous)
+    assert [row["async/staleness_max"] for row in train_logs(resumed) if row["step"] > 2] == [0.0, 0.0]
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), synchronous.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("written_at, resumed_at", [(0, 2), (2, 1), (1, 3)])
+def test_a_checkpoint_resumes_at_another_staleness_to_the_end_within_the_new_bound(tmp_path, written_at, resumed_at):
+    run_dir = checkpoint_2_of(tmp_path, staleness=written_at)
+    resumed = checkpointed(run_dir, resumed_at)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    stalenesses = [row["async/staleness_max"] for row in train_logs(resumed) if row["step"] > 2]
+    assert len(stalenesses) == 2 and all(0 <= s <= resumed_at for s in stalenesses)
+    assert not grpo_threads()
+
+
+def test_only_the_versions_a_resumed_run_can_sample_by_are_kept():
+    """Batches a run resumed at step 5 has yet to train on are admitted at 5 - s or later."""
+    from grpo_hf.producer import needed_versions
+
+    saved = {2: ["v2"], 3: ["v3"], 4: ["v4"]}
+    assert needed_versions(saved, 5, 3) == saved  # the staleness it was written at
+    assert needed_versions(saved, 5, 1) == {4: ["v4"]}
+    assert needed_versions(saved, 5, 0) is None  # the copy starts as the policy's own weights
+    assert needed_versions(None, 5, 2) is None
