@@ -167,8 +167,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         self.objective = Objective(self.accelerator, *settings, router_aux_loss_coef=self.router_aux_loss_coef)
         self.experience = self._experience_maker(rollout_func)
         self._init_producer(rollout_func)  # `producer.Producing`: asynchronous GRPO (max_staleness > 0)
-        self._micro_step = 0
-        self._buffer: list[MicroBatch] = []  # the micro-batches of the current rollout
+        self._micro_step, self._buffer = 0, []  # micro-steps taken, the current rollout's [MicroBatch] (each `train`)
         self.precision_guard: PrecisionGuard | None = None  # set with the optimizer (`create_optimizer`)
         self._average_gradients = False  # set when the fast path bypasses DDP's forward (`compute_loss`)
         self.reference_sync = None  # TR-DPO (`sync_ref_model`)
@@ -423,6 +422,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`Trainer.train`, resumable exactly (`checkpoint.AtomicCheckpoints.train`), every process on one dataset."""
         check_same_dataset(self.train_dataset, self.accelerator)
+        self._micro_step, self._buffer, self._saved_producer_weights = 0, [], None  # none of an earlier train()'s
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _run_state(self) -> dict[str, Any]:

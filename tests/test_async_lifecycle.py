@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import train_logs
+from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
 from test_async import checkpointed, comparable
 from test_resume import checkpointed_trainer
 
@@ -72,3 +72,24 @@ def test_only_the_versions_a_resumed_run_can_sample_by_are_kept():
     assert needed_versions(saved, 5, 1) == {4: ["v4"]}
     assert needed_versions(saved, 5, 0) is None  # the copy starts as the policy's own weights
     assert needed_versions(None, 5, 2) is None
+
+
+# ---- a second train() on one trainer -------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer_cls, staleness", [(None, 0), (AsyncGRPOTrainer, 0), (None, 1)])
+def test_a_second_train_samples_afresh(tmp_path, trainer_cls, staleness):
+    """3 steps of generation batches of 2 steps: the first train() ends half-way through a rollout. The second
+    starts from none of it: it samples at its first step, as the first did, and makes as many rollouts."""
+    settings = dict(max_steps=3, steps_per_generation=2, rollout_engine="loop", max_staleness=staleness)
+    trainer = make_trainer(tiny_run_args(tmp_path, preset={**TRAINING, **settings}), trainer_cls=trainer_cls)
+    rounds = []
+    original = trainer.experience.sample_round
+
+    def sample_round(*args, **kwargs):
+        rounds.append(1)
+        return original(*args, **kwargs)
+
+    trainer.experience.sample_round = sample_round
+    trainer.train()
+    assert len(rounds) == 2  # at steps 1 and 3
+    trainer.train()
+    assert len(rounds) == 4 and trainer.state.global_step == 3
