@@ -29,7 +29,8 @@ The pieces, each in one class:
 Faults: whatever the producer raises is raised on the main thread when the trainer takes that batch (training stops
 with it); a trainer that has waited `STALL_WARNING_SECONDS` for a batch warns, naming what the producer's threads
 are doing; `close` (end of `train()`, an exception, Ctrl-C) stops them after the calls they are in and drops the
-copy of the weights.
+copy of the weights. A close cut short (a second Ctrl-C while it waits for the threads) is finished by the next
+`train()`, which then starts a producer of its own.
 
 Randomness: at `max_staleness` 0 the producer samples from torch's global generator as it stands, as the synchronous
 run does: the producer and the trainer take turns, so the draws come in the synchronous run's order and the run is
@@ -687,8 +688,10 @@ class AsyncRollouts:
             yield
 
     def close(self) -> None:
+        """Stop the producer's threads, release its engine and restore the run's sampler. Again after a close that
+        was cut short (a Ctrl-C while it waits for the threads), it finishes what that one left."""
         self.producer.close()
-        if self.sampler.engine is not None:
+        if self.sampler is not None and self.sampler.engine is not None:
             self.sampler.engine.close()
         self.experience.sampler.record_logps = self.recorded
         self.snapshot = self.sampler = None
@@ -742,13 +745,21 @@ class Producing:
         return self.async_rollouts.train_batches(k, self.state.global_step, self._metrics["train"])
 
     def train(self, *args, **kwargs):
-        """Trainer's; the end, an exception or Ctrl-C stop the producer and drop its copy of the weights."""
+        """Trainer's; the end, an exception or Ctrl-C stop the producer and drop its copy of the weights. Each
+        `train()` starts its own producer (at its first batch): one an earlier `train()` left attached, because an
+        interrupt cut its close short, is closed first."""
+        self._stop_producer()
         try:
             return super().train(*args, **kwargs)
         finally:
-            if self.async_rollouts is not None:
-                self.async_rollouts.close()
-                self.async_rollouts = None
+            self._stop_producer()
+
+    def _stop_producer(self) -> None:
+        """The producer closed, then detached: attached until its close has finished, so that an interrupt during the
+        close (a second Ctrl-C while it waits for the threads) leaves it to the next `train()` to finish."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
+            self.async_rollouts = None
 
     def evaluate(self, *args, **kwargs):
         """Trainer's; a producer pauses meanwhile (evaluation samples with the run's own sampler and environments)."""

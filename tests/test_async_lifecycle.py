@@ -14,6 +14,7 @@ from test_async import checkpointed, comparable
 from test_resume import checkpointed_trainer
 
 from grpo_hf import AsyncGRPOTrainer
+from grpo_hf import producer as producer_module
 
 
 def grpo_threads() -> list[threading.Thread]:
@@ -93,3 +94,36 @@ def test_a_second_train_samples_afresh(tmp_path, trainer_cls, staleness):
     assert len(rounds) == 2  # at steps 1 and 3
     trainer.train()
     assert len(rounds) == 4 and trainer.state.global_step == 3
+
+
+# ---- Ctrl-C ---------------------------------------------------------------------------------------------------------
+def test_a_close_cut_short_by_ctrl_c_leaves_the_next_train_a_fresh_producer(tmp_path, monkeypatch):
+    """Ctrl-C while the trainer waits for a batch (a KeyboardInterrupt in `take`), and again while `train()` waits for
+    the producer's threads to stop (in their join): the next `train()` finishes that close and trains with a producer
+    of its own."""
+    original_take, interrupted = producer_module.Producer.take, []
+
+    def take(self, k):
+        if not interrupted:
+            interrupted.append(k)
+            threads = list(self._threads)
+
+            def interrupted_join(timeout=None):
+                for thread in threads:  # once: the next close waits as usual
+                    del thread.join
+                raise KeyboardInterrupt
+
+            for thread in threads:
+                thread.join = interrupted_join
+            raise KeyboardInterrupt
+        return original_take(self, k)
+
+    monkeypatch.setattr(producer_module.Producer, "take", take)
+    settings = dict(max_steps=3, rollout_engine="loop", max_staleness=1)
+    trainer = make_trainer(tiny_run_args(tmp_path, preset={**TRAINING, **settings}))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert interrupted == [0]
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(train_logs(trainer)) == 3
+    assert trainer.async_rollouts is None and not grpo_threads()
