@@ -92,6 +92,7 @@ class WeightSnapshot:
         self._sampling = threading.Lock()  # held by the producer's sampling, or by a refill (`exclusive`)
         self._staged: dict[int, tuple[list[torch.Tensor], Any]] = {}  # version -> (its tensors, CUDA event or None)
         self._copied = _cuda_event(self.model)  # the copy was made on the main thread's stream
+        self._loaded = None  # CUDA: an event recorded after the last `load` wrote the copy, on the producer's stream
         if saved:
             for saved_version, tensors in saved.items():
                 if len(tensors) == len(params) + len(list(model.buffers())):  # a checkpoint that kept every tensor
@@ -130,6 +131,7 @@ class WeightSnapshot:
                         tensor.record_stream(torch.cuda.current_stream())
                 with torch.no_grad():
                     torch._foreach_copy_(self._tensors(self.model), tensors)
+                self._loaded = _cuda_event(self.model)  # what a reader on another stream waits for (`versions_from`)
                 self.version = version
                 if self.on_load is not None:
                     self.on_load(self.model)
@@ -153,11 +155,15 @@ class WeightSnapshot:
         return self._sampling
 
     def versions_from(self, version: int) -> dict[int, list[torch.Tensor]]:
-        """The weights that train, of every version from `version` on that the copy holds or has staged, on the CPU
-        (what a checkpoint keeps for the batches not yet trained on)."""
+        """Main thread: the weights that train, of every version from `version` on that the copy holds or has
+        staged, on the CPU (what a checkpoint keeps for the batches not yet trained on). On a GPU the copy's last
+        `load` wrote it on the producer's stream: this stream waits for that write before reading the copy (the staged
+        tensors were written on this one), and the read to the CPU returns only once done, before the next `load`."""
         with self._lock:
             held = {v: tensors for v, (tensors, _) in self._staged.items() if v >= version}
             if self.version >= version:
+                if self._loaded is not None:
+                    torch.cuda.current_stream().wait_event(self._loaded)
                 held[self.version] = self._tensors(self.model)
             return {v: [t.detach().cpu().clone() for t in tensors] for v, tensors in sorted(held.items())}
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
+from conftest import TRAINING, build_tiny_model, build_tiny_tokenizer, make_trainer, tiny_run_args, train_logs
 from test_async import checkpointed, comparable
 from test_resume import checkpointed_trainer
 
@@ -127,3 +127,42 @@ def test_a_close_cut_short_by_ctrl_c_leaves_the_next_train_a_fresh_producer(tmp_
     trainer.train()
     assert trainer.state.global_step == 3 and len(train_logs(trainer)) == 3
     assert trainer.async_rollouts is None and not grpo_threads()
+
+
+# ---- CUDA streams, stood in for -------------------------------------------------------------------------------------
+def test_a_checkpoint_reads_the_producers_copy_after_its_load_has_written_it(monkeypatch):
+    """On a GPU the producer loads a version into its copy on its own stream, and a checkpoint reads the copy
+    (`versions_from`) on the trainer's: the trainer's stream waits for an event recorded after the load's writes
+    before reading them. CUDA is stood in for by recorders: each event is named by the order it was recorded in."""
+    events, log = iter(range(100)), []
+
+    class Stream:
+        def wait_event(self, event):
+            log.append(("wait", event))
+
+    monkeypatch.setattr(producer_module, "_cuda_event", lambda model: f"event {next(events)}")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+    tokenizer = build_tiny_tokenizer()
+    policy = build_tiny_model(tokenizer)
+    snapshot = producer_module.WeightSnapshot(policy, version=0)  # event 0: the copy, made on the trainer's stream
+    snapshot.stage(1)  # event 1: version 1 staged on the trainer's stream
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(1.0)
+    snapshot.stage(2)  # event 2
+    assert snapshot.load(2) == 2  # the producer: waits for events 0 and 2, writes the copy, records event 3
+    assert log == [("wait", "event 0"), ("wait", "event 2")]
+    original = snapshot._tensors
+
+    def tensors(model):
+        if model is snapshot.model:
+            log.append(("read the copy", None))
+        return original(model)
+
+    monkeypatch.setattr(snapshot, "_tensors", tensors)
+    snapshot.release_before(2)
+    saved = snapshot.versions_from(2)
+    assert log[2:] == [("wait", "event 3"), ("read the copy", None)]
+    for tensor, param in zip(saved[2], policy.parameters(), strict=False):  # then the buffers
+        assert torch.equal(tensor, param)
