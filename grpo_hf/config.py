@@ -187,7 +187,10 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; must be > 0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
+    top_k: int = field(
+        default=0,
+        metadata={"help": "Top-k sampling; 0 or -1 (vLLM's 'off') disables it, as does a value >= the vocabulary."},
+    )
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling threshold; `None` disables it."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty; 1.0 disables it."})
     generation_kwargs: dict[str, Any] | str | None = field(
@@ -398,8 +401,9 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "batch). 'cuda_graph': a static KV cache and the decode step (forward, logits processors, draw) captured "
             "as one CUDA graph, no host sync per token. 'generate': `model.generate` as configured. "
             "'generate_static': `model.generate` with a static, compiled cache. All draw from the distribution "
-            "`model.generate` would (same processors, the model's generation_config defaults); settings beyond "
-            "temperature, top_k, top_p, min_p and repetition_penalty use `model.generate`. More engines: "
+            "`model.generate` would (same processors, the model's generation_config defaults); 'loop' also applies "
+            "sequence_bias, no_repeat_ngram_size, bad_words_ids, min_new_tokens and (begin_)suppress_tokens "
+            "(docs/rollout.md); other settings use `model.generate`. More engines: "
             "`grpo_hf.rollout.register_engine`."
         },
     )
@@ -592,6 +596,8 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         self._check_temperature()
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1 to keep that many tokens, or 0 or -1 for no top-k.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.max_completion_length < 1:

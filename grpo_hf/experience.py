@@ -43,8 +43,9 @@ from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_co
 from grpo_hf.rollout.dynamic import FreshPrompts, GroupPool, gather_rows, take_rows
 from grpo_hf.rollout.sampler import Generation, Sampled, Sampler
 from grpo_hf.rollout.sampling import SamplingReplay
+from grpo_hf.rollout.sampling_spec import SamplingSpec, engine_kind
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images
-from grpo_hf.vision import encode_rows, is_processor, tokenizer_of
+from grpo_hf.vision import encode_rows, image_token_ids, is_processor, tokenizer_of
 
 __all__ = ["ExperienceMaker", "Generation", "Models", "Produced", "RewardSet"]
 
@@ -189,15 +190,23 @@ class ExperienceMaker:
         return batches
 
     def sampling_replay(self) -> SamplingReplay | None:
-        """The distribution the engines draw from (`sampling.SamplingReplay`, the settings resolved as they resolve
-        them), for the weight of a correction (vLLM's, or a stale batch's: `sampling_correction`); None without one,
-        or when it is the trainer's temperature-only softmax. vLLM pads no prompt: its repetition penalty never reads
-        padding, whatever the installed `generate` does with it."""
-        if self.args.sampling_correction() is None:
-            return None
+        """The distribution the engines draw from (`sampling.SamplingReplay` of the run's `SamplingSpec`: the engine
+        kind, the settings resolved as the engines resolve them, a VLM's blocked image tokens), for the weight of a
+        correction (vLLM's, or a stale batch's: `sampling_correction`); None without one, or when it is the trainer's
+        temperature-only softmax. A setting the engine cannot sample as described, or, with a correction, that the
+        replay cannot describe, is refused here, when the trainer is built (`SamplingSpec.check`). vLLM pads no prompt:
+        its repetition penalty never reads padding, whatever the installed `generate` does with it."""
+        corrected = self.args.sampling_correction() is not None
         policy = self.accelerator.unwrap_model(self.models.policy())
-        config, skip_padding = self.sampler.generation.generation_config, True if self.args.use_vllm else None
-        return SamplingReplay.of(policy, config, self.args.temperature, skip_padding=skip_padding)
+        spec = SamplingSpec.of(
+            policy,
+            self.sampler.generation.generation_config,
+            kind=engine_kind(self.args.rollout_engine, self.args.use_vllm),
+            skip_padding=True if self.args.use_vllm else None,
+            blocked_token_ids=image_token_ids(policy),
+        )
+        spec.check(corrected=corrected, multi_turn=bool(self.sampler.tools))
+        return SamplingReplay.of(spec, self.args.temperature) if corrected else None
 
     def set_old_logps(self, batch: MicroBatch) -> None:
         """`batch.old_logps` where an optimizer step separates the rollout from its last use (else None: the current

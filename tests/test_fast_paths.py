@@ -81,9 +81,9 @@ def test_settings_the_loop_does_not_implement_fall_back_to_model_generate(tokeni
     config = GenerationConfig(max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
     assert supports_sample_groups(model, config)
     blocked = GenerationConfig(max_new_tokens=4, do_sample=True, pad_token_id=tokenizer.pad_token_id)
-    blocked.no_repeat_ngram_size = 2
+    blocked.typical_p = 0.9  # no_repeat_ngram_size and the like the loop draws through its sampling spec
     assert not supports_sample_groups(model, blocked)
-    model.generation_config.no_repeat_ngram_size = 2  # set on the model: generate() would apply it too
+    model.generation_config.typical_p = 0.9  # set on the model: generate() would apply it too
     assert not supports_sample_groups(model, config)
 
 

@@ -43,7 +43,8 @@ def test_engines_are_imported_lazily_and_unknown_names_list_the_known_ones():
     ("device", "overrides", "sharded", "expected"),
     [
         ("cpu", {}, False, "loop"),
-        ("cpu", {"no_repeat_ngram_size": 2}, False, "generate"),  # a setting only generate implements
+        ("cpu", {"typical_p": 0.9}, False, "generate"),  # a setting only generate implements
+        ("cpu", {"no_repeat_ngram_size": 2}, False, "loop"),  # the sampling spec's stage: loop draws through it
         ("cuda", {}, False, "cuda_graph"),
         ("cuda", {}, True, "generate_static"),  # sharded weights are gathered anew for each rollout: no captured graph
         ("cuda", {"no_repeat_ngram_size": 2}, False, "generate_static"),
@@ -62,9 +63,9 @@ def test_auto_picks_the_first_engine_that_applies(tokenizer, device, overrides, 
 
 def test_a_named_engine_that_does_not_apply_falls_back_and_says_why(tokenizer):
     model = build_tiny_model(tokenizer)
-    engine, why = make_engine("loop", model, _config(tokenizer, no_repeat_ngram_size=2), [tokenizer.eos_token_id])
+    engine, why = make_engine("loop", model, _config(tokenizer, typical_p=0.9), [tokenizer.eos_token_id])
     assert isinstance(engine, GenerateEngine)
-    assert "loop: the generation settings set no_repeat_ngram_size" in why
+    assert "loop: the generation settings set typical_p" in why
 
 
 def test_generate_static_needs_a_model_that_compiles(tokenizer):

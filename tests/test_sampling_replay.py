@@ -23,13 +23,8 @@ from grpo_hf.core import sampling_importance_weights
 from grpo_hf.logprobs import completion_logps, logps_and_replayed
 from grpo_hf.objective import Objective
 from grpo_hf.rollout import Sequences, make_engine, tokenize_prompts
-from grpo_hf.rollout.sampling import (
-    GENERATE_SKIPS_PADDING,
-    SamplingReplay,
-    _PenaltyPastPadding,
-    repetition_penalty_processor,
-    replayed_logps,
-)
+from grpo_hf.rollout.sampling import GENERATE_SKIPS_PADDING, SamplingReplay, replayed_logps
+from grpo_hf.rollout.sampling_spec import SamplingSpec
 
 # Qwen2.5-Instruct's own sampling settings (its generation_config), at the trainer's temperature 1.0
 QWEN = dict(top_p=0.8, top_k=20, repetition_penalty=1.05)
@@ -47,6 +42,10 @@ SETTINGS = {
 def _config(**settings) -> GenerationConfig:
     base = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0)
     return GenerationConfig(**{**base, **settings})
+
+
+def _spec(**settings) -> SamplingSpec:
+    return SamplingSpec.from_config(_config(**settings))
 
 
 def naive_replay(logits, completion_ids, prompt_ids, prompt_mask, mask, settings) -> torch.Tensor:
@@ -102,7 +101,7 @@ def random_rows(seed=0, n=5, P=6, t=7, V=50):
 @pytest.mark.parametrize("name", SETTINGS)
 def test_the_replay_matches_a_naive_loop_over_transformers_processors(name):
     logits, completion_ids, prompt_ids, prompt_mask, mask = random_rows()
-    config = _config(**SETTINGS[name])
+    config = _spec(**SETTINGS[name])
     got = replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, config)
     expected = naive_replay(logits, completion_ids, prompt_ids, prompt_mask, mask, SETTINGS[name])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # -inf where expected is -inf, too
@@ -141,15 +140,17 @@ def test_generate_skips_the_padding_in_its_repetition_penalty_as_the_probe_says(
 
 @pytest.mark.parametrize("skip_padding", [True, False, None])
 def test_the_repetition_penalty_reads_the_padding_as_asked_on_every_version(skip_padding):
-    """`repetition_penalty_processor`: skipping the left padding (transformers' own per-row ignore length from 5.23 on,
-    `_PenaltyPastPadding` before), penalising it, or as `generate` does (None); each row against transformers'
-    processor on the tokens it must read, alone."""
+    """The spec's repetition penalty (its own formula, `sampling_spec.repetition_penalty`): skipping the left padding,
+    penalising it, or as `generate` does (None); each row against transformers' processor on the tokens it must read,
+    alone."""
     _, completion_ids, prompt_ids, prompt_mask, _ = random_rows(seed=2)
     scores = 2.0 * torch.randn((len(prompt_ids), 50), generator=torch.Generator().manual_seed(3))  # [n, V]
     history = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P + t]
-    got = repetition_penalty_processor(1.7, prompt_mask, skip_padding)(history, scores)
+    spec = SamplingSpec.from_config(_config(repetition_penalty=1.7), skip_padding=skip_padding)
+    got = spec.processors(prompt_mask, sampling=False)(history, scores)
     skips = GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding
-    past_padding = _PenaltyPastPadding(1.7, (prompt_mask != 0).int().argmax(dim=1))(history, scores)
+    past_padding = SamplingSpec.from_config(_config(repetition_penalty=1.7), skip_padding=True)
+    past_padding = past_padding.processors(prompt_mask, sampling=False)(history, scores)
     for i in range(len(history)):
         read = history[i, (prompt_mask[i] == 0).sum() if skips else 0 :]  # the padding is the first columns
         expected = RepetitionPenaltyLogitsProcessor(1.7)(read[None], scores[i : i + 1])
@@ -163,7 +164,7 @@ def test_a_token_outside_the_kept_support_gets_minus_infinity():
     logits, completion_ids, prompt_ids, prompt_mask, mask = random_rows(seed=1)
     completion_ids[:, 0] = logits[:, 0].argmin(dim=-1)  # never in the top 5
     completion_ids[:, 1] = logits[:, 1].argmax(dim=-1)  # always kept
-    got = replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, _config(top_k=5))
+    got = replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, _spec(top_k=5))
     assert bool((got[:, 0] == float("-inf")).all()) and bool(got[:, 1].isfinite().all())
     weight, _ = sampling_importance_weights(got, torch.full_like(got, -1.0) * mask, mask, "token_truncate", None, 3.0)
     assert bool((weight[:, 0] == 0).all())  # pi_old gives the token no chance: the weight is 0, not NaN
@@ -171,13 +172,16 @@ def test_a_token_outside_the_kept_support_gets_minus_infinity():
 
 def test_no_replay_where_the_sampler_draws_from_the_trainers_own_softmax(tokenizer):
     model = build_tiny_model(tokenizer)
-    assert SamplingReplay.of(model, _config(), temperature=1.0) is None
-    assert SamplingReplay.of(model, _config(temperature=0.7), temperature=0.7) is None
-    assert SamplingReplay.of(model, _config(temperature=0.7), temperature=1.0) is not None
+    assert SamplingReplay.of(SamplingSpec.of(model, _config()), temperature=1.0) is None
+    assert SamplingReplay.of(SamplingSpec.of(model, _config(temperature=0.7)), temperature=0.7) is None
+    assert SamplingReplay.of(SamplingSpec.of(model, _config(temperature=0.7)), temperature=1.0) is not None
+    # top_k that truncates nothing: -1 (vLLM's "off") and the whole vocabulary or more
+    for top_k in (-1, len(tokenizer), len(tokenizer) + 5):
+        assert SamplingReplay.of(SamplingSpec.of(model, _config(top_k=top_k)), temperature=1.0) is None, top_k
     # unset settings are resolved as the engines resolve them: the model's own generation_config fills them
     model.generation_config.top_p = 0.8
-    replay = SamplingReplay.of(model, _config(top_p=None), temperature=1.0)
-    assert replay is not None and replay.generation_config.top_p == 0.8
+    replay = SamplingReplay.of(SamplingSpec.of(model, _config(top_p=None)), temperature=1.0)
+    assert replay is not None and replay.spec.top_p == 0.8
 
 
 # ---- the forwards, against an engine's recorded log-probs (vLLM's stand-in: processed log-probs) -------------------
@@ -198,7 +202,7 @@ def test_replayed_old_logps_give_a_weight_of_one_against_the_samplers_own(tokeni
     sampled = engine.generate(model, prompt_ids, prompt_mask)
     recorded, mask = engine.sampling_logps, sampled.completion_mask
     batch = Sequences(prompt_ids, prompt_mask, sampled.completion_ids, mask)
-    replay = SamplingReplay.of(model, config, temperature=0.9)
+    replay = SamplingReplay.of(SamplingSpec.of(model, config), temperature=0.9)
     with torch.no_grad():
         old, replayed = logps_and_replayed(model, batch, replay, share_prefix=share_prefix, temperature=0.9)
         plain, _ = completion_logps(model, batch, share_prefix=share_prefix, temperature=0.9)

@@ -7,15 +7,20 @@ top_p, EOS ids, `max_new_tokens`). Its settings are transformers' `ContinuousBat
 `transformers_continuous_batching_config`, with `max_memory_percent` 0.5 unless given (TRL's default: the rest of the
 memory is the training step's). Its measured cost against `loop` on a CPU: docs/benchmarks.md. With `record_logps`,
 transformers returns each token's log-prob (`return_logprobs`: the log of the processed distribution at the token).
+It penalises repetitions in its own way (only each step's query tokens) and fails on `bad_words_ids` and
+`no_repeat_ngram_size` (transformers 5.25): those are refused (`sampling_spec.SamplingSpec.refusal`), the first only
+where a correction replays the sampling, the others always; a top_k of -1 or at least the vocabulary means none.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
 
 from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.rollout.sampling_spec import SamplingSpec, normal_top_k, vocab_size_of
 
 DEFAULT_MAX_MEMORY_PERCENT = 0.5  # TRL's: transformers' own 0.9 leaves too little for the backward pass
 
@@ -39,16 +44,18 @@ class ContinuousBatchingEngine(RolloutEngine):
     def unsupported_reason(cls, model, generation_config) -> str | None:
         if not hasattr(model, "generate_batch"):
             return f"{type(model).__name__} has no `generate_batch` (transformers >= 5.8 continuous batching)"
-        return None
+        return SamplingSpec.of(model, generation_config, kind="continuous_batching").refusal(corrected=False)
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]  # N lists
         settings = self.continuous_batching_config
         if self.record_logps:
             settings = dataclasses.replace(settings, return_logprobs=True)
+        config = copy.copy(self.generation_config)
+        config.top_k = normal_top_k(config.top_k, vocab_size_of(model))  # -1 or the vocabulary: none
         outputs = model.generate_batch(
             prompts,
-            generation_config=self.generation_config,
+            generation_config=config,
             continuous_batching_config=settings,
             progress_bar=False,
         )

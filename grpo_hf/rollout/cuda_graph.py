@@ -459,7 +459,8 @@ class CUDAGraphEngine(RolloutEngine):
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
-        reason = unsupported_reason(model, generation_config, layers=(DynamicLayer, DynamicSlidingWindowLayer))
+        layers = (DynamicLayer, DynamicSlidingWindowLayer)  # and the warpers and repetition penalty only, no stage
+        reason = unsupported_reason(model, generation_config, layers=layers, stage=False)
         if reason is not None:
             return reason
         model = base_model(model)

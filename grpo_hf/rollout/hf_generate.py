@@ -9,6 +9,11 @@ leave the keys fp32 and the values bf16. Its length is rounded up to `cache_buck
 batches whose prompts differ a little in length reuse one compiled decode step (every new length would
 compile again, and past Dynamo's recompile limit generate's step runs uncompiled).
 
+`generate` draws through the sampling spec (`sampling_spec.SamplingSpec`): its stage (repetition penalty, n-grams,
+bad words, biases, suppressed and blocked tokens) is the first logits processor, and the config `generate` gets has
+those settings off (`neutral_generation_config`), so `generate` applies only its warpers; what it samples is what
+the correction replays, on every transformers version.
+
 Given `draws` (tool episodes, `episodes.EpisodeRunner`), each row draws its tokens from its own random stream instead
 of the global generator (`sampling.DrawFromStreams`, a logits processor that draws and leaves `generate` one token).
 
@@ -31,6 +36,7 @@ from grpo_hf.rollout.sampling import (
     resolve_sampling_settings,
     streams_unsupported_reason,
 )
+from grpo_hf.rollout.sampling_spec import SamplingSpec, neutral_generation_config
 from grpo_hf.vision import forward_kwargs
 
 
@@ -73,7 +79,8 @@ class GenerateEngine(RolloutEngine):
         allow (`streams_unsupported_reason`; otherwise, and without `draws`, from the global generator)."""
         config = self.generation_config
         kwargs = forward_kwargs(model, prompt_ids, images)  # a VLM's image inputs, row by row
-        processors, record = LogitsProcessorList(), None
+        spec = SamplingSpec.of(model, config, blocked_token_ids=self.blocked_token_ids)  # blocked: never drawn
+        processors, record = LogitsProcessorList([spec.processors(prompt_mask, sampling=False)[0]]), None
         if self.record_logps:
             reason = streams_unsupported_reason(model, config)
             if reason is not None:
@@ -85,11 +92,8 @@ class GenerateEngine(RolloutEngine):
             processors.append(record)  # before the draw: it reads the scores the draw takes
         if draws is not None and streams_unsupported_reason(model, config) is None:
             processors.append(DrawFromStreams(resolve_sampling_settings(model, config), draws.to(prompt_ids.device)))
-        if processors:
-            kwargs["logits_processor"] = processors
-        if self.blocked_token_ids:
-            config = copy.copy(config)
-            config.suppress_tokens = [*(config.suppress_tokens or []), *self.blocked_token_ids]
+        kwargs["logits_processor"] = processors
+        config = neutral_generation_config(config, spec)  # the spec's stage runs instead of generate's
         if (self.cache_implementation or config.cache_implementation) == "static":
             config = copy.copy(config)
             config.cache_implementation = None

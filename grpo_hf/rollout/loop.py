@@ -27,12 +27,12 @@ from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.episode_cache import DEFAULT_BUDGET_GB, EpisodeCache, cache_entry, row_entry
 from grpo_hf.rollout.sampling import (
     cache_keyword,
-    logits_processors,
     prefill_distinct_prompts,
     resolve_sampling_settings,
     sample_categorical,
     unsupported_reason,
 )
+from grpo_hf.rollout.sampling_spec import SamplingSpec
 from grpo_hf.vision import has_images, position_offsets
 
 
@@ -162,9 +162,9 @@ def sample_groups(
     """Sample one completion per row, the prompt of each run of identical rows prefilled once.
 
     The same computation as `model.generate` with `do_sample=True` (HF's `_sample` loop): the
-    logits at each step go through `logits_processors`, softmax, one draw per row; a row that has
-    produced an EOS is padded with `pad_token_id`; the loop stops when every row has finished or after
-    `max_new_tokens` steps. What differs is how: the U distinct prompts [U, P] are prefilled once and
+    logits at each step go through the spec's processors (`sampling_spec.SamplingSpec`), softmax, one draw per
+    row; a row that has produced an EOS is padded with `pad_token_id`; the loop stops when every row has
+    finished or after `max_new_tokens` steps. What differs is how: the U distinct prompts [U, P] are prefilled once and
     their KV cache repeated to the N rows, the cache is preallocated (`_PreallocatedLayer`) instead of
     grown by concatenation each step, finished rows leave the decoding batch
     (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
@@ -185,13 +185,11 @@ def sample_groups(
     rows = torch.arange(N, device=device)  # [A] row of `sequences` of each batch row
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # [A]
     generation_config = resolve_sampling_settings(model, generation_config)
-    processors = logits_processors(generation_config, prompt_mask)
-    blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
+    spec = SamplingSpec.of(model, generation_config, blocked_token_ids=blocked_token_ids)  # blocked: never drawn
+    processors = spec.processors(prompt_mask)
     keyword = cache_keyword(model)  # looked up once, not per token
     uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
     for t in range(T):
-        if blocked.numel():
-            logits = logits.index_fill(1, blocked, float("-inf"))
         scores = processors(sequences[rows, : P + t], logits)  # [A, V]
         # One uniform per original row and step, whichever rows are still in the batch.
         uniform = torch.rand((N, 1), dtype=uniform_dtype, device=device)[rows]  # [A, 1]
@@ -204,7 +202,7 @@ def sample_groups(
             keep = torch.nonzero(~finished).flatten()  # [A']
             select_rows(cache, keep)
             rows, tokens, finished = rows[keep], tokens[keep], finished[keep]
-            processors = logits_processors(generation_config, prompt_mask[rows])
+            processors = spec.processors(prompt_mask[rows])
         logits = _next_logits(
             model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache, keyword
         )
@@ -339,17 +337,16 @@ class _Step:
     def __init__(self, config, device, eos_token_ids: Sequence[int], blocked_token_ids: Sequence[int]):
         self.config, self.device = config, device
         self.eos = torch.tensor(list(eos_token_ids), device=device)
-        self.blocked = torch.tensor(list(blocked_token_ids), dtype=torch.long, device=device)  # [K]
+        # blocked tokens (a VLM's image tokens) are never drawn; the penalty skips the padding on every transformers
+        # version: a row's tokens do not depend on its batch
+        self.spec = SamplingSpec.from_config(config, skip_padding=True, blocked_token_ids=blocked_token_ids)
         self.uniform_dtype = torch.float32 if device.type == "mps" else torch.float64
         self.draws = None  # RowDraws of the batch's rows, in order
 
     def sample(self, rows: _Decoding) -> tuple[torch.Tensor, torch.Tensor]:
         logits = rows.logits
-        if self.blocked.numel():
-            logits = logits.index_fill(1, self.blocked, float("-inf"))  # [A, V]
         sampling = bool(self.config.do_sample)
-        # the penalty skips the padding on every transformers version: a row's tokens do not depend on its batch
-        processors = logits_processors(self.config, rows.mask, sampling=sampling, skip_padding=True)
+        processors = self.spec.processors(rows.mask, sampling=sampling, new_tokens=rows.sampled)
         scores = processors(rows.tokens, logits)  # [A, V]
         if not sampling:
             tokens = scores.argmax(dim=-1)  # [A]

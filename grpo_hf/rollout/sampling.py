@@ -1,46 +1,42 @@
-"""Sampling settings shared by the decoding engines: the logits processors `model.generate` applies, in
-its order, the settings an engine must resolve as `generate` does, an exact categorical draw, per-row random
-streams (`RowDraws`): counter-based uniforms, so that what a row samples does not depend on which batch, step or
-thread draws it, `RecordLogps`, which records the log-probs `model.generate` drew its tokens with, and
-`SamplingReplay`, which applies the same processors to the trainer's logits, so that an importance weight compares
-the sampler's log-probs with the trainer's under one distribution.
+"""Sampling settings shared by the decoding engines: the settings an engine must resolve as `generate` does, the
+processors they apply (`logits_processors`, the description of `sampling_spec.SamplingSpec`), an exact categorical
+draw, per-row random streams (`RowDraws`): counter-based uniforms, so that what a row samples does not depend on which
+batch, step or thread draws it, `RecordLogps`, which records the log-probs `model.generate` drew its tokens with, and
+`SamplingReplay`, which applies the same spec to the trainer's logits, so that an importance weight compares the
+sampler's log-probs with the trainer's under one distribution.
 
 The repetition penalty and left padding: which tokens the installed `generate` penalises is checked once, at import
 (`GENERATE_SKIPS_PADDING`): transformers >= 5.23 skips each row's left padding, 5.19 to 5.22 penalise every input
-token, the pad token of a left-padded row included. The engines that follow `generate` (`loop`, `cuda_graph`) and the
-replay read it through `unpenalised_padding`; a multi-turn decoder whose batch is not `generate`'s
-(`loop.decode_turns`) skips the padding on every version, so that a row's tokens do not depend on its batch.
+token, the pad token of a left-padded row included. The engines that follow `generate` (`loop`, `generate` through
+the spec's stage, `cuda_graph`) and the replay read it (`SamplingSpec.penalty_skips_padding`, `unpenalised_padding`);
+a multi-turn decoder whose batch is not `generate`'s (`loop.decode_turns`) skips the padding on every version, so
+that a row's tokens do not depend on its batch. The penalty itself is written from its formula
+(`sampling_spec.repetition_penalty`), so every transformers version applies it alike.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import transformers
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from grpo_hf.cache_layers import cache_keyword, cache_layer_classes, layers_outside
 from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
+from grpo_hf.rollout.sampling_spec import (  # noqa: F401 (resolve_sampling_settings, GENERATE_SKIPS_PADDING: here too)
+    _SAMPLING_DEFAULTS,
+    GENERATE_SKIPS_PADDING,
+    STAGE_SETTINGS,
+    SamplingSpec,
+    resolve_sampling_settings,
+)
 from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
 logger = logging.getLogger(__name__)
 
-# Sampling settings `sample_groups` implements, with the value `generate` uses when neither the call's config nor the
-# model's `generation_config` sets one (transformers' global defaults).
-_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
 # Other settings that may be present: they change nothing in how tokens are drawn.
 _NEUTRAL_SETTINGS = frozenset(
     {
@@ -62,12 +58,16 @@ _NEUTRAL_SETTINGS = frozenset(
 )
 
 
-def unsupported_reason(model, generation_config, *, layers: tuple[type, ...] = (DynamicLayer,)) -> str | None:
+def unsupported_reason(
+    model, generation_config, *, layers: tuple[type, ...] = (DynamicLayer,), stage: bool = True
+) -> str | None:
     """Why grpo_hf's own decoders (`loop`, `cuda_graph`) would not draw what `model.generate` draws, or None.
 
     They need sampling (`do_sample=True`), `max_new_tokens` and a pad token; neither the config nor the
     model's own `generation_config` (whose values `generate` uses where the config has none) may set
-    anything but the sampling settings of `_SAMPLING_DEFAULTS` and the neutral ones; and the model must
+    anything but the sampling settings of `_SAMPLING_DEFAULTS`, the neutral ones and, where the engine applies the
+    spec's stage (`stage`: `loop`; `sampling_spec.STAGE_SETTINGS`), n-grams, bad words, biases, min_new_tokens and
+    suppressed tokens; and the model must
     be decoder-only, with the `DynamicCache` that `generate` builds for it, every layer of which is one of the
     cache layer classes `layers` that the engine serves (`cuda_graph`: full attention; `loop`:
     `cache_layers.SELECTABLE`). The reason names the layers it does not serve, by class and index.
@@ -81,7 +81,7 @@ def unsupported_reason(model, generation_config, *, layers: tuple[type, ...] = (
         return "max_new_tokens is not set"
     if generation_config.pad_token_id is None:
         return "there is no pad token"
-    allowed = _NEUTRAL_SETTINGS | set(_SAMPLING_DEFAULTS)
+    allowed = _NEUTRAL_SETTINGS | set(_SAMPLING_DEFAULTS) | (set(STAGE_SETTINGS) if stage else set())
     for where, settings in (("generation settings", generation_config), ("model's generation_config", None)):
         settings = settings if settings is not None else getattr(model, "generation_config", None)
         extra = sorted(set(settings.to_diff_dict()) - allowed) if settings is not None else []
@@ -103,42 +103,6 @@ def supports_sample_groups(model, generation_config) -> bool:
     return unsupported_reason(model, generation_config) is None
 
 
-def resolve_sampling_settings(model, generation_config):
-    """A copy of `generation_config` whose unset sampling settings hold the values `generate` would use.
-
-    An unset (None) setting takes the model's `generation_config` value, else transformers' default
-    (`_SAMPLING_DEFAULTS`, e.g. top_k=50), as `GenerationMixin._prepare_generation_config` does.
-    """
-    resolved = copy.deepcopy(generation_config)
-    model_settings = getattr(model, "generation_config", None)
-    for name, default in _SAMPLING_DEFAULTS.items():
-        if getattr(resolved, name, None) is None:
-            value = getattr(model_settings, name, None) if model_settings is not None else None
-            setattr(resolved, name, default if value is None else value)
-    return resolved
-
-
-def _penalty_skips_padding() -> bool:
-    """Whether the installed `RepetitionPenaltyLogitsProcessor` takes a per-row `prompt_ignore_length` (a 1-D tensor):
-    from transformers 5.23 on it does, and `generate` passes it each row's left padding (`GENERATE_SKIPS_PADDING`)."""
-    try:
-        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
-    except (TypeError, ValueError):  # 5.19 to 5.22: "`prompt_ignore_length` has to be a positive integer"
-        return False
-    return True
-
-
-# Whether `model.generate`'s repetition penalty skips each row's left padding, with the installed transformers.
-# transformers >= 5.23: yes; `GenerationMixin._get_logits_processor` builds the processor with `prompt_ignore_length`
-# = each row's left-padding length (`(attention_mask != 0).int().argmax(1)`), a per-row tensor that the processor
-# accepts from 5.23 on (both changed in 5.23), so a row's penalised tokens are its own. transformers 5.19 to 5.22: no;
-# `generate` builds `RepetitionPenaltyLogitsProcessor(penalty)`, which penalises every input token, the pad token of
-# a left-padded row included (which rows are padded depends on the batch), and the processor rejects a tensor.
-# Probed once, at import, by constructing the processor with a 1-D tensor (both changed together, so the processor's
-# signature says what `generate` does); every place that must agree with `generate` reads it (`unpenalised_padding`).
-GENERATE_SKIPS_PADDING: bool = _penalty_skips_padding()
-
-
 def unpenalised_padding(prompt_mask: torch.Tensor, skip_padding: bool | None = None) -> torch.Tensor:
     """[N] long: how many leading positions of each row the repetition penalty does not read: the row's left padding
     (`prompt_mask` [N, P] is 0 there) where the padding is skipped, else 0. `skip_padding` None: as the installed
@@ -150,66 +114,20 @@ def unpenalised_padding(prompt_mask: torch.Tensor, skip_padding: bool | None = N
     return (prompt_mask != 0).int().argmax(dim=1)  # [N]
 
 
-class _PenaltyPastPadding(LogitsProcessor):
-    """transformers' repetition penalty on each row's tokens from position `skip[i]` on, where the installed processor
-    takes no per-row `prompt_ignore_length` (transformers < 5.23): the skipped positions are given the row's token at
-    `skip[i]`, which the penalty reads anyway, so the penalised tokens, and the scores, are those of 5.23's processor
-    with `prompt_ignore_length=skip`. A tensor operation per call, no host sync."""
-
-    def __init__(self, penalty: float, skip: torch.Tensor):
-        self.penalty, self.skip = RepetitionPenaltyLogitsProcessor(penalty), skip  # [N]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        skip = self.skip.to(input_ids.device)[:, None]  # [N, 1]
-        first = input_ids.gather(1, skip.clamp(max=input_ids.size(1) - 1))  # [N, 1] each row's first read token
-        positions = torch.arange(input_ids.size(1), device=input_ids.device)[None]  # [1, C]
-        return self.penalty(torch.where(positions < skip, first, input_ids), scores)
-
-
-def repetition_penalty_processor(penalty: float, prompt_mask: torch.Tensor, skip_padding: bool | None = None):
-    """The repetition penalty for rows whose prompts have the mask `prompt_mask` [N, P] (left padding 0), built as the
-    installed `generate` builds it (`skip_padding` None, `GENERATE_SKIPS_PADDING`: transformers' processor with each
-    row's padding length, or with no ignore length at all before 5.23). `skip_padding=True` skips the padding on every
-    version (`_PenaltyPastPadding` where the processor takes no per-row length); False penalises it."""
-    if not (GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding):
-        return RepetitionPenaltyLogitsProcessor(penalty)  # every input token, as `generate` before 5.23
-    skip = unpenalised_padding(prompt_mask, skip_padding=True)  # [N]
-    if GENERATE_SKIPS_PADDING:
-        return RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=skip)
-    return _PenaltyPastPadding(penalty, skip)
-
-
 def logits_processors(
     generation_config, prompt_mask: torch.Tensor, sampling: bool = True, skip_padding: bool | None = None
 ) -> LogitsProcessorList:
-    """The processors `model.generate` applies for these sampling settings, in its order.
-
-    Repetition penalty first (`repetition_penalty_processor`: as the installed `generate` builds it, or with the
-    prompt's left padding skipped or penalised where `skip_padding` says), then, when `sampling` (greedy decoding
-    applies none of them), temperature, top-k, top-p and min-p (`GenerationMixin._get_logits_processor`).
-    """
-    processors = LogitsProcessorList()
-    config = generation_config
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(repetition_penalty_processor(config.repetition_penalty, prompt_mask, skip_padding))
-    if sampling:
-        processors.extend(sampling_warpers(config))
-    return processors
+    """The processors the engines apply for these resolved settings, in `generate`'s order
+    (`sampling_spec.SamplingSpec.processors`): the stage (repetition penalty, read as the installed `generate` reads
+    the prompts' left padding, or as `skip_padding` says; n-grams, bad words, biases, suppressed tokens), then, when
+    `sampling` (greedy decoding applies none of them), temperature, top-k, top-p and min-p."""
+    spec = SamplingSpec.from_config(generation_config, skip_padding=skip_padding)
+    return spec.processors(prompt_mask, sampling=sampling)
 
 
 def sampling_warpers(generation_config) -> LogitsProcessorList:
     """The processors `model.generate` applies only when sampling, in its order: temperature, top-k, top-p, min-p."""
-    processors = LogitsProcessorList()
-    config = generation_config
-    if config.temperature is not None and config.temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(config.temperature))
-    if config.top_k is not None and config.top_k != 0:
-        processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
-    if config.top_p is not None and config.top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
-    if config.min_p is not None:
-        processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
-    return processors
+    return SamplingSpec.from_config(generation_config).warpers()
 
 
 def sample_categorical(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
@@ -426,15 +344,8 @@ class RecordLogps(LogitsProcessor):
 # ---- the sampling distribution, replayed on the trainer's logits ----------------------------------------------------
 def changes_distribution(generation_config, temperature: float = 1.0) -> bool:
     """Whether the resolved settings draw from another distribution than the softmax of the logits at `temperature`
-    (the trainer's log-probs): a repetition penalty, a truncation (top-k, top-p, min-p) or another temperature."""
-    config = generation_config
-    return (
-        bool(config.top_k)
-        or (config.top_p is not None and config.top_p < 1.0)
-        or bool(config.min_p)
-        or (config.repetition_penalty is not None and config.repetition_penalty != 1.0)
-        or (config.temperature if config.temperature is not None else 1.0) != temperature
-    )
+    (`SamplingSpec.changes_distribution`)."""
+    return SamplingSpec.from_config(generation_config).changes_distribution(temperature)
 
 
 @torch.no_grad()
@@ -444,41 +355,36 @@ def replayed_logps(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     mask: torch.Tensor,
-    generation_config,
+    spec: SamplingSpec,
     chunk_size: int | None = None,
-    skip_padding: bool | None = None,
 ) -> torch.Tensor:
     """The log-probs [n, t] float32 of `completion_ids` [n, t] under the distribution the engines draw each token from,
-    from the logits [n, t, V] that predict them: `logits_processors` of `generation_config` (resolved), exactly as
-    `model.generate` applies them at that token's step, then log-softmax. At the positions of `mask` [n, t]; 0 off it.
+    from the logits [n, t, V] that predict them: `spec`'s stage and warpers, exactly as the engines apply them at that
+    token's step, then log-softmax. At the positions of `mask` [n, t]; 0 off it.
 
-    A token outside the kept support (top-k, top-p, min-p) gets -inf. The repetition penalty reads each position's
-    context, the row's prompt (`prompt_ids` [n, P]; its left padding, 0 in `prompt_mask`, as `generate` reads it, or
-    as `skip_padding` says: `repetition_penalty_processor`) and its completion before the
-    position (tool output included); a context is the row's whole [P + t - 1] tokens with the positions after it
-    filled with its own last token, which is in the context already, so the penalised set is the same. Positions go
+    A token outside the kept support (top-k, top-p, min-p, a banned token) gets -inf. The stage reads each position's
+    context, the row's prompt (`prompt_ids` [n, P], from its first real token: `prompt_mask` is 0 on its left
+    padding; the repetition penalty reads the padding where the spec says) and its completion before the position
+    (tool output included), with the count of tokens before it: each position's context is right-aligned to the
+    widest one, [P + t - 1] tokens, and what lies before it is read by no processor (`lead`). Positions go
     `chunk_size` at a time (default: `CHUNK_ELEMENTS` logits, or context ids, per chunk), each upcast to float32 as
     `generate` upcasts its scores: a few chunk-sized temporaries, never a float32 copy of `logits`.
     """
     n, t, V = logits.shape
     logps = torch.zeros((n, t), dtype=torch.float32, device=logits.device)  # [n, t]
     rows, columns = mask[:, :t].nonzero(as_tuple=True)  # [K] the positions to replay
-    penalised = generation_config.repetition_penalty not in (None, 1.0)
-    context = torch.cat([prompt_ids, completion_ids[:, : max(t - 1, 0)]], dim=1) if penalised else None  # [n, P+t-1]
-    width = V if context is None else max(V, context.size(1))
-    step = chunk_size or max(1, CHUNK_ELEMENTS // width)
+    P, warpers = prompt_ids.size(1), spec.warpers()
+    context = torch.cat([prompt_ids, completion_ids[:, : max(t - 1, 0)]], dim=1)  # [n, W], W = P + t - 1
+    padding = (prompt_mask != 0).int().argmax(dim=1)  # [n]
+    step = chunk_size or max(1, CHUNK_ELEMENTS // max(V, context.size(1)))
     for start in range(0, rows.numel(), step):
         r, c = rows[start : start + step], columns[start : start + step]  # [k]
         tokens = completion_ids[r, c]  # [k]
-        scores = logits[r, c].float()  # [k, V]
-        if context is None:
-            inputs = tokens[:, None]  # [k, 1] read by no processor but the repetition penalty
-        else:
-            last = context[r, prompt_ids.size(1) + c - 1]  # [k] the last token of each position's context
-            positions = torch.arange(context.size(1), device=context.device)  # [P + t - 1]
-            after = positions[None, :] >= (prompt_ids.size(1) + c)[:, None]  # [k, P + t - 1]
-            inputs = torch.where(after, last[:, None], context[r])  # [k, P + t - 1]
-        scores = logits_processors(generation_config, prompt_mask[r], skip_padding=skip_padding)(inputs, scores)
+        shift = context.size(1) - (P + c)  # [k] positions before each context, once right-aligned
+        positions = torch.arange(context.size(1), device=context.device)[None]  # [1, W]
+        inputs = context[r].gather(1, (positions - shift[:, None]).clamp(min=0))  # [k, W]
+        scores = spec.apply_stage(inputs, logits[r, c].float(), shift + padding[r], c)  # [k, V]
+        scores = warpers(inputs, scores)
         logps[r, c] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return logps
 
@@ -487,32 +393,25 @@ def replayed_logps(
 class SamplingReplay:
     """The engines' sampling distribution, replayed on the trainer's logits (`replayed_logps`).
 
-    Every engine records the log-probs its tokens were drawn with (after repetition penalty, temperature, top-k,
-    top-p, min-p), which the trainer's temperature-only log-probs over the whole vocabulary are not. A weight
+    Every engine records the log-probs its tokens were drawn with (after the spec's stage, temperature and
+    truncation), which the trainer's temperature-only log-probs over the whole vocabulary are not. A weight
     pi_prox / pi_behav that compares the two carries log(kept mass) at every token, even with unchanged weights; with
     the proximal policy's log-probs replayed under the same processors, it measures the policy's drift only.
-    `of` gives None where the two distributions are one (no penalty, no truncation, the same temperature).
+    `of` gives None where the two distributions are one (nothing processed, the same temperature).
 
-    The repetition penalty reads a row's left padding as the installed `generate` does (`GENERATE_SKIPS_PADDING`),
-    unless `skip_padding` says otherwise (True for a sampler without padding: vLLM). Before transformers 5.23,
-    `generate` penalises the pad token of the rows it got left-padded, and a training micro-batch pads its rows anew,
-    so a row's replay can then differ from its draw by that token's penalty (`of` warns)."""
+    The repetition penalty reads a row's left padding as the spec says (`SamplingSpec.penalty_skips_padding`: as the
+    installed `generate` does, unless the sampler has no padding: vLLM). Before transformers 5.23, `generate`
+    penalises the pad token of the rows it got left-padded, and a training micro-batch pads its rows anew, so a row's
+    replay can then differ from its draw by that token's penalty (`of` warns)."""
 
-    generation_config: Any  # the resolved settings the engines sample with (`resolve_sampling_settings`)
-    skip_padding: bool | None = None  # None: as `generate` does (`repetition_penalty_processor`)
+    spec: SamplingSpec  # what the engines sample from (`SamplingSpec.of`)
 
     @classmethod
-    def of(
-        cls, model, generation_config, temperature: float, skip_padding: bool | None = None
-    ) -> SamplingReplay | None:
-        """The replay of what the engines draw from for `model` with `generation_config` (resolved as they resolve
-        it), or None when that is the softmax at the trainer's `temperature`. `skip_padding`: what the sampler's
-        repetition penalty does with a row's left padding (None: what `generate` does)."""
-        resolved = resolve_sampling_settings(model, generation_config)
-        if not changes_distribution(resolved, temperature):
+    def of(cls, spec: SamplingSpec, temperature: float) -> SamplingReplay | None:
+        """The replay of `spec`, or None when it is the softmax at the trainer's `temperature`."""
+        if not spec.changes_distribution(temperature):
             return None
-        penalised = resolved.repetition_penalty not in (None, 1.0)
-        if penalised and not (GENERATE_SKIPS_PADDING if skip_padding is None else skip_padding):
+        if spec.repetition_penalty != 1.0 and not spec.penalty_skips_padding:
             logger.warning(
                 "transformers %s's generate applies the repetition penalty to the pad token of every row it gets "
                 "left-padded (transformers >= 5.23 skips the padding), and a training micro-batch pads its rows "
@@ -520,7 +419,7 @@ class SamplingReplay:
                 "penalty, and so is its importance weight. Upgrade transformers to 5.23 or later for exact weights.",
                 transformers.__version__,
             )
-        return cls(resolved, skip_padding)
+        return cls(spec)
 
     def __call__(self, batch, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """`replayed_logps` [n, t] of the rows `rows` [n] of `batch` (a `batching.Sequences`), from their logits
@@ -529,5 +428,4 @@ class SamplingReplay:
         completion_ids = batch.completion_ids[rows, :t]  # [n, t]
         mask = batch.completion_mask[rows, :t]  # [n, t]
         prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]  # [n, P]
-        config, skip_padding = self.generation_config, self.skip_padding
-        return replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, config, skip_padding=skip_padding)
+        return replayed_logps(logits, completion_ids, prompt_ids, prompt_mask, mask, self.spec)
