@@ -755,6 +755,8 @@ class Producing:
         `train()` starts its own producer (at its first batch): one an earlier `train()` left attached, because an
         interrupt cut its close short, is closed first."""
         self._stop_producer()
+        if not self.uses_producer:  # a checkpoint's producer weights (one written above max_staleness 0): unused
+            self._saved_producer_weights = None
         try:
             return super().train(*args, **kwargs)
         finally:

@@ -35,8 +35,8 @@ def checkpoint_2_of(tmp_path, staleness: int):
 def test_a_checkpoint_above_staleness_0_resumed_at_0_is_the_synchronous_resume(tmp_path, written_at):
     """Above 0 a checkpoint keeps the producer's weights of the versions the batches sampled ahead are sampled by (at
     3: versions 0 and 1); resumed by AsyncGRPOTrainer at 0 (every batch sampled by the policy's weights), it trains
-    to the end and is, bit for bit, GRPOTrainer's synchronous resume from the same checkpoint (which reads no
-    producer weights)."""
+    to the end and is, bit for bit, GRPOTrainer's synchronous resume from the same checkpoint (which starts no
+    producer, and drops the producer weights the checkpoint kept instead of holding them through its run)."""
     run_dir = checkpoint_2_of(tmp_path, staleness=written_at)
     synchronous_dir = tmp_path / "synchronous"
     shutil.copytree(run_dir, synchronous_dir)
@@ -45,6 +45,7 @@ def test_a_checkpoint_above_staleness_0_resumed_at_0_is_the_synchronous_resume(t
     resumed.train(resume_from_checkpoint=True)
     synchronous = checkpointed_trainer(synchronous_dir, max_staleness=0, rollout_engine="loop")
     synchronous.train(resume_from_checkpoint=True)
+    assert synchronous._saved_producer_weights is None
     assert resumed.state.global_step == 4
     after = lambda trainer: [row for row in comparable(train_logs(trainer)) if row["step"] > 2]  # noqa: E731
     assert len(after(resumed)) == 2 and after(resumed) == after(synchronous)
