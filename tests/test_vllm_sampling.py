@@ -27,3 +27,18 @@ def test_train_vllm_with_additional_generation_kwargs(tmp_path):
     (row,) = [row for row in trainer.state.log_history if "loss" in row]
     assert math.isclose(row["sampling/importance_sampling_ratio/mean"], 1.0, abs_tol=1e-3)
     assert row["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_vllms_order_is_replayed_with_min_p_and_top_p_together(tmp_path):
+    """min-p before top-p (vLLM's order): at learning_rate 0 every step's ratio is 1 (min, mean and max). Replayed in
+    transformers' order (top-p, then min-p), the kept sets differ and the ratios leave 1."""
+    tokenizer = build_tiny_tokenizer()
+    settings = dict(temperature=0.7, min_p=0.3, top_p=0.8, max_steps=2, learning_rate=0.0)
+    trainer = colocated_trainer(tmp_path, tokenizer, **settings)
+    assert trainer.experience.replay is not None and trainer.experience.replay.spec.kind == "vllm"
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("min", "mean", "max"):
+            assert math.isclose(row[f"sampling/importance_sampling_ratio/{key}"], 1.0, abs_tol=1e-3), (key, row)
