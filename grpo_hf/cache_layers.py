@@ -45,6 +45,7 @@ import copy
 import inspect
 import logging
 import types
+from dataclasses import dataclass, field
 
 import torch
 import transformers
@@ -300,3 +301,192 @@ def _repeatable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
 REPEATABLE, LAYER_PROBLEMS = _repeatable_classes()
 """The cache layer classes `repeat_cache` repeats with the installed transformers, and why each other class of
 `SELECTABLE` is not among them (by class name)."""
+
+
+# ---- one row's state between the turns of a tool episode (`loop.decode_turns`, `rollout.episode_cache`) -------------
+# A decoding batch's rows are right-aligned in its columns: row u's real tokens are its last n_u columns, the columns
+# before them masked. Every layer kind keeps that layout, each in its own way: a full-attention layer holds the keys of
+# all W columns; a sliding-window layer those of the last min(W, window - 1), and W (`cumulative_length`, which places
+# them in the mask); a linear-attention layer (conv, Gated DeltaNet, Mamba) a state per row of fixed size, the state
+# after every token the row has fed (its left padding, zeros, before its first real token leaves it at zero); a hybrid
+# layer both. The functions below are the batch operations the joining decoder needs, one `if` per kind, here only.
+
+
+@dataclass
+class RowState:
+    """One row's state in one cache layer, as a batch-1 layer would hold it after the row's n real tokens."""
+
+    keys: torch.Tensor | None = None  # [1, H, k, D]: k = n (full attention), min(n, window - 1) (sliding window)
+    values: torch.Tensor | None = None
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # state index -> [1, channels, kernel]
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # state index -> [1, ...] (e.g. heads, dk, dv)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.keys, self.values, *self.conv.values(), *self.recurrent.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _has_keys(layer) -> bool:
+    return (
+        isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4
+    )
+
+
+def cut_row(layer, row: int, columns: torch.Tensor, width: int) -> RowState:
+    """Row `row`'s state in `layer` (of a batch whose cache holds `width` columns; `columns` [c] the row's real ones,
+    increasing), copied: nothing of it is shared with the batch, whose states the next steps write in place."""
+    state = RowState()
+    if _has_keys(layer):
+        first = width - layer.keys.size(-2)  # the first column the layer holds (> 0: a sliding window)
+        index = columns[columns >= first] - first  # [k]
+        state.keys = layer.keys[row : row + 1].index_select(2, index)
+        state.values = layer.values[row : row + 1].index_select(2, index)
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        for i in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[i]:
+                state.conv[i] = layer.conv_states[i][row : row + 1].clone()
+            if layer.is_recurrent_states_initialized[i]:
+                state.recurrent[i] = layer.recurrent_states[i][row : row + 1].clone()
+    return state
+
+
+def stack_rows(layer, states: list[RowState | None], width: int) -> None:
+    """Fill `layer` (new, of a `DynamicCache` made for the model) with the rows `states` (None: a row with nothing
+    before it: no keys, zero states), each right-aligned in `width` columns, as a batch that has fed them would hold
+    them; the layer's counters say `width`."""
+    if isinstance(layer, DynamicLayer) and any(s is not None and s.keys is not None for s in states):
+        window = getattr(layer, "sliding_window", None)
+        held = width if window is None else min(width, window - 1)
+        keys, values = (_right_aligned([getattr(s, name, None) for s in states], held) for name in ("keys", "values"))
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        if window is not None:
+            layer.cumulative_length = width
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        for i in range(layer.number_of_states):
+            conv = _stacked([s.conv.get(i) if s is not None else None for s in states])
+            recurrent = _stacked([s.recurrent.get(i) if s is not None else None for s in states])
+            if conv is not None:
+                layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=conv.size(-1))
+                layer.conv_states[i].copy_(conv)
+                layer.has_previous_state[i] = True
+            if recurrent is not None:
+                layer.lazy_initialization(recurrent_states=recurrent, state_idx=i)
+                layer.recurrent_states[i].copy_(recurrent)
+        _set_linear_count(layer, width)
+
+
+def pad_columns(layer, missing: int) -> None:
+    """Add `missing` masked columns on the left of the batch's `layer` (the rows' real tokens stay right-aligned)."""
+    if _has_keys(layer):
+        window = getattr(layer, "sliding_window", None)
+        if window is None:
+            grow = missing
+        else:
+            grow = min(layer.cumulative_length + missing, window - 1) - layer.keys.size(-2)
+            layer.cumulative_length += missing
+        if grow > 0:
+            layer.keys, layer.values = (
+                torch.nn.functional.pad(x, (0, 0, grow, 0)) for x in (layer.keys, layer.values)
+            )
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        _set_linear_count(layer, int(layer.cumulative_length_linear) + missing if _COUNTER in vars(layer) else 0)
+
+
+def drop_columns(layer, first: int) -> None:
+    """Drop the batch's `first` leading columns (masked in every row) from `layer`."""
+    if _has_keys(layer):
+        window = getattr(layer, "sliding_window", None)
+        if window is None:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        else:
+            layer.cumulative_length -= first
+            held = min(layer.cumulative_length, window - 1)
+            start = layer.keys.size(-2) - held
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        _set_linear_count(layer, int(layer.cumulative_length_linear) - first if _COUNTER in vars(layer) else 0)
+
+
+def cat_rows(layer, other) -> None:
+    """Append the rows of `other` (a layer of the same kind, of a batch as wide in columns) to `layer`'s, in place."""
+    if _has_keys(layer) or _has_keys(other):
+        layer.keys, layer.values = torch.cat([layer.keys, other.keys]), torch.cat([layer.values, other.values])
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        for i in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[i]:
+                layer.conv_states[i] = torch.cat([layer.conv_states[i], other.conv_states[i]])
+            if layer.is_recurrent_states_initialized[i]:
+                layer.recurrent_states[i] = torch.cat([layer.recurrent_states[i], other.recurrent_states[i]])
+
+
+_COUNTER = "cumulative_length_linear"  # transformers 5.25's token counter of linear-attention layers (a tensor)
+
+
+def _set_linear_count(layer, width: int) -> None:
+    """A linear-attention layer's token counter (5.25 on; `get_seq_length`) set to the batch's columns, as a batch
+    that fed them would have it: a new tensor, none shared with another layer."""
+    if _COUNTER in vars(layer):
+        setattr(layer, _COUNTER, torch.tensor(width, dtype=torch.long, device=layer.cumulative_length_linear.device))
+
+
+def _right_aligned(parts: list[torch.Tensor | None], width: int) -> torch.Tensor:
+    """Batch-1 tensors [1, H, n, D] (None: n = 0) stacked into [U, H, width, D], each right-aligned, zeros before."""
+    like = next(p for p in parts if p is not None)
+    out = like.new_zeros((len(parts), like.size(1), width, like.size(3)))
+    for u, part in enumerate(parts):
+        if part is not None and part.size(2):
+            out[u, :, width - part.size(2) :] = part[0]
+    return out
+
+
+def _stacked(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Batch-1 states stacked into [U, ...], zeros (a fresh state) for None; None when every part is None."""
+    like = next((p for p in parts if p is not None), None)
+    if like is None:
+        return None
+    return torch.cat([p if p is not None else torch.zeros_like(like) for p in parts])
+
+
+def _check_joinable(cls: type) -> str | None:
+    """Why the functions above cannot keep rows of `cls` layers with the installed transformers, or None. Two rows take
+    five tokens (past a sliding window of 4); row 1 is cut out and stacked back beside a fresh row: the new layer holds
+    exactly row 1's state, and it pads, drops a column and joins a batch like it without error."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+        make = (lambda: cls(sliding_window=4)) if "sliding_window" in parameters else cls
+        layer = make()
+        _probe_step(layer, rows=2, tokens=5)
+        state = cut_row(layer, 1, torch.arange(5), 5)
+        stacked = make()
+        stack_rows(stacked, [None, state], 5)
+        again = cut_row(stacked, 1, torch.arange(5), 5)
+        pad_columns(stacked, 1)
+        drop_columns(stacked, 1)
+        cat_rows(stacked, layer)
+    except Exception as error:  # whatever a new release changed, the class keeps nothing between turns
+        return f"{type(error).__name__}: {error}"
+    if not _same(_snapshot(vars(state)), vars(again)):
+        return "a row stacked back does not hold the state it was cut with"
+    return None
+
+
+def _joinable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
+    """The classes of `SELECTABLE` that pass `_check_joinable`, and {class name: why not} for the others (logged:
+    tool episodes on models with such layers then prefill every turn's whole context)."""
+    problems = {cls.__name__: reason for cls in SELECTABLE if (reason := _check_joinable(cls)) is not None}
+    for name, reason in problems.items():
+        logger.warning(
+            "transformers %s: the loop engine cannot keep a row's %s cache layers between turns (%s); tool episodes "
+            "on models with them prefill every turn's whole context",
+            transformers.__version__,
+            name,
+            reason,
+        )
+    return tuple(cls for cls in SELECTABLE if cls.__name__ not in problems), problems
+
+
+JOINABLE, JOIN_PROBLEMS = _joinable_classes()
+"""The cache layer classes whose rows `loop.decode_turns` joins mid-decode and keeps between turns with the installed
+transformers, and why each other class of `SELECTABLE` is not among them (by class name)."""

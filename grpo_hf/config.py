@@ -414,7 +414,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "their tools run, so that a turn that comes back prefills only the tool reply (the batch's shared prefix, "
             "e.g. the tool schemas, is prefilled once and counted here too). An episode whose cache does not fit "
             "re-prefills its whole context (counted by the tools/cache_evictions metric). 0: keep nothing. "
-            "Full-attention models only (docs/rollout.md)."
+            "Every cache layer kind: full, sliding-window and linear attention, convolution, Mamba (docs/rollout.md)."
         },
     )
     use_model_generate: bool = field(

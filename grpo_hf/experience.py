@@ -60,7 +60,7 @@ warning (`metrics.no_signal_warning`), once per run: one such batch can be chanc
 
 
 # `EpisodeCache.stats` entries summed over processes by `_record_tools`, in this order
-_CACHE_COUNTS = ("prefill_tokens", "reused_tokens", "evictions", "kept", "hits")
+_CACHE_COUNTS = ("prefill_tokens", "prefill_positions", "reused_tokens", "evictions", "kept", "hits")
 
 
 @dataclass
@@ -430,26 +430,28 @@ class ExperienceMaker:
         """With tools, per tool of the run: `tools/<name>/calls`, `/failures`, `/timeouts` (summed over the processes'
         episodes) and `/latency_mean` (seconds per call that ran to its end; logged once one has), and
         `tools/turns_mean` (the model's turns per episode). With the `loop` engine's episode cache: the tokens
-        prefilled and those taken from kept caches per episode (`tools/prefill_tokens_mean`,
-        `tools/reused_tokens_mean`), and the episodes whose cache did not fit the budget (`tools/cache_evictions`,
-        and per episode that waited for tools, `tools/cache_eviction_rate`)."""
+        prefilled, the positions the prefills computed (padding included) and the tokens taken from kept caches, per
+        episode (`tools/prefill_tokens_mean`, `tools/prefill_positions_mean`, `tools/reused_tokens_mean`), and the
+        episodes whose cache did not fit the budget (`tools/cache_evictions`, and per episode that waited for tools,
+        `tools/cache_eviction_rate`)."""
         if sampled.tool_stats is None:
             return
         names = list(sampled.tool_stats)  # every tool of the run, in the same order on every process
-        rows = [[s.calls, s.failures, s.timeouts, s.returned, s.seconds] for s in sampled.tool_stats.values()]
-        rows.append([sum(sampled.turns), len(sampled.turns), 0, 0, 0])
+        rows = [[s.calls, s.failures, s.timeouts, s.returned, s.seconds, 0] for s in sampled.tool_stats.values()]
+        rows.append([sum(sampled.turns), len(sampled.turns), 0, 0, 0, 0])
         cache = sampled.episode_cache
         rows.append([cache[k] for k in _CACHE_COUNTS] if cache is not None else [0] * len(_CACHE_COUNTS))
-        stats = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)  # [tools + 2, 5]
+        stats = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)  # [tools + 2, 6]
         if self.accelerator.num_processes > 1:
             stats = self.accelerator.reduce(stats, "sum")
-        *per_tool, (turns, episodes, *_), (prefill, reused, evictions, kept, _) = stats.tolist()
+        *per_tool, (turns, episodes, *_), (prefill, positions, reused, evictions, kept, _) = stats.tolist()
         if cache is not None:  # the same engine on every process
             metrics["tools/prefill_tokens_mean"].append(prefill / episodes)
+            metrics["tools/prefill_positions_mean"].append(positions / episodes)
             metrics["tools/reused_tokens_mean"].append(reused / episodes)
             metrics["tools/cache_evictions"].append(evictions)
             metrics["tools/cache_eviction_rate"].append(evictions / (kept + evictions) if kept + evictions else 0.0)
-        for name, (calls, failures, timeouts, returned, seconds) in zip(names, per_tool, strict=True):
+        for name, (calls, failures, timeouts, returned, seconds, _) in zip(names, per_tool, strict=True):
             metrics[f"tools/{name}/calls"].append(calls)
             metrics[f"tools/{name}/failures"].append(failures)
             metrics[f"tools/{name}/timeouts"].append(timeouts)

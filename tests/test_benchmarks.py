@@ -172,6 +172,6 @@ def test_the_multi_turn_benchmark_prints_both_arms_their_ratios_and_the_targets(
     today, after = (line.split("|") for line in lines[header + 2 : header + 4])
     assert float(after[2].replace(",", "")) < float(today[2].replace(",", ""))  # fewer tokens prefilled
     assert int(today[6].replace(",", "")) == int(after[6].replace(",", "")) > 0  # the prompts' shared prefix
-    assert sum(line.startswith("target: ") for line in lines) == 2
+    assert sum(line.startswith("target: ") for line in lines) == 3  # prefill tokens, prefill positions, time
     assert any(line.startswith("same tokens, seed 0: ") and line.endswith("/2 episodes") for line in lines)
     assert "system block" in lines[0] and any("episode cache, seed 0: {" in line for line in lines)

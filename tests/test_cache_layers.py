@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from test_families import CONFIGS, build, logps_grads_aux, make_batch
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from grpo_hf import cache_layers
 from grpo_hf.cache_layers import KNOWN_ATTRIBUTES, LAYER_PROBLEMS, REPEATABLE, SELECTABLE
@@ -109,3 +109,55 @@ def test_the_prompt_layer_keeps_its_states_and_count_after_its_copies_run(family
     torch.testing.assert_close(first.logits, second.logits, rtol=0, atol=0)
     for layer, saved in zip(cache.layers, before, strict=True):
         assert cache_layers._same(saved, layer)
+
+
+# ---- rows kept between tool turns (`loop.decode_turns`) ------------------------------------------------------------
+def test_every_layer_class_the_loop_serves_keeps_its_rows_between_turns():
+    """Each class of `SELECTABLE` passes `_check_joinable` on the installed transformers (cut a row, stack it back,
+    pad, drop and join), so tool episodes on every family keep their rows' states."""
+    assert cache_layers.JOIN_PROBLEMS == {}, cache_layers.JOIN_PROBLEMS
+    assert cache_layers.JOINABLE == SELECTABLE
+
+
+class _LayerThatInitialisesOtherwise(DynamicLayer):
+    """A release's layer whose lazy initialisation takes another argument."""
+
+    def lazy_initialization(self, key_states, value_states, max_length):
+        super().lazy_initialization(key_states, value_states)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states, 8)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class _LayerThatKeepsTheWholeWindow(DynamicSlidingWindowLayer):
+    """A release's sliding-window layer that keeps the last `window` keys, not `window - 1`."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        full = super().update(key_states, value_states, *args, **kwargs)
+        self.keys, self.values = (x[:, :, -self.sliding_window :] for x in full)
+        return full
+
+
+def test_a_layer_the_row_functions_do_not_fit_is_named_and_keeps_nothing(monkeypatch, caplog):
+    """A class whose rows cannot be cut and stacked back exactly is left out of `JOINABLE` with the reason logged, and
+    `decode_turns` on a model with it keeps nothing between turns, saying so once."""
+    assert "TypeError" in cache_layers._check_joinable(_LayerThatInitialisesOtherwise)
+    assert cache_layers._check_joinable(_LayerThatKeepsTheWholeWindow) is not None
+    monkeypatch.setattr(cache_layers, "SELECTABLE", (*SELECTABLE, _LayerThatInitialisesOtherwise))
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.cache_layers"):
+        joinable, problems = cache_layers._joinable_classes()
+    assert set(problems) == {"_LayerThatInitialisesOtherwise"} and _LayerThatInitialisesOtherwise not in joinable
+    assert "_LayerThatInitialisesOtherwise" in caplog.text and "whole context" in caplog.text
+
+    from grpo_hf.rollout import loop
+
+    model = build("qwen3_5")
+    monkeypatch.setattr(loop, "JOINABLE", tuple(c for c in SELECTABLE if c is not LinearAttentionLayer))
+    monkeypatch.setattr(loop, "JOIN_PROBLEMS", {"LinearAttentionLayer": "a reason"})
+    loop._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.rollout.loop"):
+        assert not loop._joins_mid_decode(model.config) and not loop._joins_mid_decode(model.config)
+    logged = [r.getMessage() for r in caplog.records if r.name == "grpo_hf.rollout.loop"]
+    assert len(logged) == 1 and "LinearAttentionLayer (layers 0): a reason" in logged[0]

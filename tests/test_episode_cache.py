@@ -10,6 +10,7 @@ import torch
 from conftest import build_tiny_model, torchrun
 from transformers import GenerationConfig
 
+from grpo_hf.cache_layers import RowState
 from grpo_hf.rollout.episode_cache import MIN_SHARED_PREFIX, Entry, EpisodeCache
 from grpo_hf.rollout.loop import decode_turns
 from grpo_hf.rollout.sampling import RowDraws
@@ -178,12 +179,17 @@ def test_entries_are_taken_only_by_contexts_that_begin_with_them():
     """`EpisodeCache.base`: an episode's own entry when its tokens begin the context (and leave some of it), else the
     shared prefix, else None; an entry that does not fit is an eviction, and nothing kept is dropped for it."""
     store = EpisodeCache(budget_bytes=48)  # an entry of two tokens: 2 x 2 x 2 floats x 4 bytes = 32
-    entry = lambda tokens: Entry(tokens, [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))])  # noqa: E731
+
+    def entry(tokens):
+        return Entry(tokens, [RowState(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))])
+
     contexts = [list(range(20)) + [50, 51], list(range(20)) + [60]]
     assert store.shared_prefix_length(contexts) == 20 and store.shared_prefix_length(contexts) == 0  # chosen once
     store.keep("a", entry([1, 2]))
     store.keep("b", entry([3, 4]))  # over the budget
-    assert store.stats == {"prefill_tokens": 0, "reused_tokens": 0, "evictions": 1, "kept": 1, "hits": 0}
+    assert store.stats == {
+        "prefill_tokens": 0, "prefill_positions": 0, "reused_tokens": 0, "evictions": 1, "kept": 1, "hits": 0
+    }  # fmt: skip
     assert store.base("a", [1, 2]) is None  # nothing left to prefill: not taken (and dropped)
     store.keep("a", entry([1, 2]))
     assert store.base("a", [1, 2, 3]).tokens == [1, 2] and store.used_bytes == 0 and store.stats["hits"] == 1
@@ -230,3 +236,168 @@ def test_two_processes_with_the_cache_train_as_without_it(tmp_path):
     runs = torch.load(out)
     _assert_same_runs(runs, "on0", "off0")
     _assert_same_runs(runs, "on1", "off1")
+
+
+# ---- every cache layer kind: sliding windows, linear attention, convolution, Mamba, hybrids -------------------------
+FAMILIES = ["qwen3_5", "qwen3_next", "gemma3", "gemma4_kv_shared", "gpt_oss", "lfm2", "falcon_h1"]
+
+
+def _family_run(model, cache_bytes: int | None, latency_seed: int, **settings):
+    """`_run`'s episodes on a `test_families` model (a vocabulary of 64): prompts that share a 20-token system block,
+    replies longer and shorter than the sliding window (4), turns of up to 8 tokens, a sixteenth of the tokens ending
+    a turn."""
+    system = list(range(5, 25))
+    prompts = [system + ask for ask in ([30, 31, 32], [40, 41, 42, 43, 44, 45, 46, 47], [50]) for _ in range(2)]
+    replies = [[60, 61, 62], [52, 53, 54, 55, 56, 57, 58, 59, 60]]
+    source = _Episodes(prompts, replies, turns=[3, 1, 4, 2, 3, 4], budget=8, latency_seed=latency_seed)
+    config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0, **settings)
+    store = EpisodeCache(cache_bytes) if cache_bytes is not None else None
+    decode_turns(model, source, config, [1, 2, 3, 4], episode_cache=store)
+    return source, store
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_layer_kind_keeps_its_rows_state_across_turns(family):
+    """On hybrid (Gated DeltaNet, convolution, Mamba), sliding-window and KV-shared models, with tools of random
+    latency: the episodes with the cache on are token for token those with it off (and their log-probs), rows joined
+    mid-decode, and every rejoin took its kept state: only the turn's last token and the reply were prefilled."""
+    from test_loop_families import sharpened
+
+    model = sharpened(family)
+    for latency_seed in (0, 1):
+        plain, _ = _family_run(model, None, latency_seed)
+        cached, store = _family_run(model, 1 << 30, latency_seed)
+        _assert_same_episodes(cached, plain)
+        assert cached.joined_mid_decode
+        rejoins = sum(len(turns) - 1 for turns in cached.episodes())
+        assert store.stats["hits"] == store.stats["kept"] == rejoins > 0 and store.stats["evictions"] == 0
+        after = sum(len(turns[i][0]) - len(turns[i - 1][0]) - len(turns[i - 1][1]) + 1
+                    for turns in cached.episodes() for i in range(1, len(turns)))  # fmt: skip
+        first_turns = sum(
+            len(turns[0][0]) - 20 for turns in cached.episodes()[::2]
+        )  # one row a group, past the prefix
+        assert store.stats["prefill_tokens"] == 20 + first_turns + after
+    for turns in cached.episodes():
+        for context, turn, logps in turns:
+            ids = torch.tensor([context + turn])
+            expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
+            expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- entries of episodes that will not come back --------------------------------------------------------------------
+class _SomeDie:
+    """Eight episodes of distinct 10-token prompts: the first four end their turn after 4 tokens and call tools whose
+    replies never come back (rolled back), and say so (`ended`) at the next poll; the other four end after 8 tokens,
+    and come back at the next poll for a last turn."""
+
+    def __init__(self):
+        self.contexts = [[10 * k + j for j in range(10)] for k in range(1, 9)]
+        self.ready, self.gone, self.done = list(range(8)), [], []
+
+    def poll(self, block: bool):
+        ready, self.ready = self.ready, []
+        return [(k, list(self.contexts[k]), 4 if k < 4 else 8) for k in ready]
+
+    def ended(self) -> list[int]:
+        gone, self.gone = self.gone, []
+        return gone
+
+    def turn_done(self, k, turn, logps) -> bool:
+        self.done.append(k)
+        self.contexts[k] += turn
+        if k < 4:
+            self.gone.append(k)
+        elif self.done.count(k) == 1:
+            self.contexts[k] += [5, 6, 7]
+            self.ready.append(k)
+        else:
+            return False
+        return True
+
+
+@torch.no_grad()
+def test_entries_of_episodes_that_will_not_come_back_are_dropped_when_they_end(tokenizer):
+    """A budget of four live rows' entries (17 tokens each): the four episodes whose replies are rolled back end their
+    turns first; their entries (13 tokens each) go when the source says they ended, and the four live rows keep
+    theirs: 0 evictions (4 when the dead entries were kept until the rollout's end)."""
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    per_token = 2 * 2 * model.config.num_key_value_heads * (32 // 4) * 4  # layers x (K, V) x heads x head dim x fp32
+    store = EpisodeCache(4 * 17 * per_token)
+    source = _SomeDie()
+    config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+    decode_turns(model, source, config, [], episode_cache=store)
+    assert sorted(source.done) == [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7]
+    assert store.stats["evictions"] == 0 and store.stats["hits"] == 4 and store.peak_bytes <= store.budget_bytes
+
+
+def test_the_turns_source_names_the_episodes_that_will_not_come_back():
+    """`episodes._Turns`: an episode whose tool calls are done but that is not ready for a turn here (its reply rolled
+    back or filling the budget, or brought images, which `generate` goes on with) is named once by `ended`."""
+    from types import SimpleNamespace
+
+    from grpo_hf.rollout.episodes import _Turns
+
+    episodes = [SimpleNamespace(image_row=None) for _ in range(5)]
+    episodes[3].image_row = "images"
+    runner = SimpleNamespace(_take_replies=lambda calling, counts: ([episodes[1], episodes[3]], [episodes[4]]))
+    turns = _Turns(runner, episodes, seed=0)
+    turns.ready, turns.in_flight = [], [0, 1, 2, 3, 4]
+    turns._collect()
+    assert turns.ready == [1] and turns.held == [3] and turns.in_flight == [4]
+    assert sorted(turns.ended()) == [0, 2, 3] and turns.ended() == []
+
+
+# ---- joins: rows of unlike rests prefill apart ----------------------------------------------------------------------
+class _Replies:
+    """Four episodes of 10-token prompts: a first turn of 4 tokens, then all four come back together with replies of
+    `replies` tokens, for a last turn."""
+
+    def __init__(self, replies: list[int]):
+        self.contexts = [[10 * k + j for j in range(10)] for k in range(1, 5)]
+        self.replies, self.ready, self.done = replies, list(range(4)), []
+
+    def poll(self, block: bool):
+        ready, self.ready = self.ready, []
+        return [(k, list(self.contexts[k]), 4) for k in ready]
+
+    def turn_done(self, k, turn, logps) -> bool:
+        self.done.append((k, list(self.contexts[k]), list(turn)))
+        self.contexts[k] += turn
+        if sum(d[0] == k for d in self.done) == 2:
+            return False
+        self.contexts[k] += [20 + j % 200 for j in range(self.replies[k])]
+        if all(sum(d[0] == j for d in self.done) == 1 for j in range(4)):
+            self.ready = [0, 1, 2, 3]
+        return True
+
+
+@torch.no_grad()
+def test_rows_rejoining_together_prefill_in_buckets_of_their_rest(tokenizer):
+    """Replies of 5, 5, 5 and 400 tokens rejoining at once: the 401-token rest and the three 6-token rests prefill
+    apart, 419 positions for 419 tokens (one padded prefill computed 4 x 401 = 1,604); the turns are those of the
+    cache off, and `prefill_positions` counts what the forwards computed."""
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
+    runs = {}
+    for cache_bytes in (None, 1 << 30):
+        source, store = _Replies([5, 5, 5, 400]), EpisodeCache(cache_bytes) if cache_bytes else None
+        decode_turns(model, source, config, [], episode_cache=store)
+        runs[cache_bytes] = sorted(source.done)
+    assert runs[None] == runs[1 << 30] and len(runs[None]) == 8
+    assert store.stats["prefill_tokens"] == store.stats["prefill_positions"] == 4 * 10 + 3 * 6 + 401
+
+
+def test_buckets_pad_within_the_slack_and_never_between_a_base_and_its_rest():
+    """`loop._buckets`: longest rests first; a shorter rest joins a bucket while its positions stay within
+    `PADDING_SLACK` x its tokens, and only a row that may be padded (full attention, or no base); equal rests share."""
+    from grpo_hf.rollout.loop import PADDING_SLACK, _buckets
+
+    assert PADDING_SLACK == 1.2
+    assert _buckets([10, 9, 3, 9], [True] * 4) == [[0, 1, 3], [2]]  # 3 more rows x 10 = 40 > 1.2 x 31
+    assert _buckets([10, 9, 3, 9], [True, False, True, False]) == [[0], [1, 3], [2]]
+    assert _buckets([5, 5, 5, 400], [True] * 4) == [[3], [0, 1, 2]]
+    rests = [random.Random(s).randint(1, 50) for s in range(40)]
+    for bucket in _buckets(rests, [True] * 40):
+        assert len(bucket) * max(rests[i] for i in bucket) <= PADDING_SLACK * sum(rests[i] for i in bucket)

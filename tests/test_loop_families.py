@@ -226,15 +226,15 @@ class _TwoTurns:
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "lfm2"])
 def test_tool_turns_on_a_hybrid_cache_read_their_own_context(family):
     """`decode_turns` on caches with sliding windows or linear-attention states: a turn that comes back while others
-    decode waits for the batch to finish (rows join mid-decode only a full-attention cache); finished rows leave the
-    batch; every sampled token's log-prob is the one a plain forward over its context gives."""
+    decode joins the batch at the next step (`cache_layers` pads and joins every layer kind by row); finished rows
+    leave the batch; every sampled token's log-prob is the one a plain forward over its context gives."""
     model = sharpened(family)
     contexts = [[5, 6, 7], list(range(10, 22)), [30, 31, 32, 33, 34, 35]]
     source = _TwoTurns(contexts, reply=[40, 41, 42], budget=10)
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=10, pad_token_id=0)
     torch.manual_seed(0)
     loop.decode_turns(model, source, config, ENDS)
-    assert len(source.done) == 6 and not source.polled_mid_decode
+    assert len(source.done) == 6 and source.polled_mid_decode
     assert len({len(turn) for _, turn, _ in source.done}) > 1  # turns of several lengths: rows left the batch
     for context, turn, logps in source.done:
         ids = torch.tensor([context + turn])

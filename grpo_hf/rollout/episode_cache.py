@@ -4,24 +4,26 @@ A tool episode alternates the model's turns and tool replies, and each turn's co
 the turn, and the reply. Without this cache a turn that rejoins the decoding batch prefills its whole context again
 (prompt, system block, tool schemas, every earlier turn): an episode of n turns prefills its prompt n times. With it:
 
-- when a turn ends and its episode waits for tools, the row's keys and values (every context column but the last
-  sampled token, which was never fed) are copied out of the batch's cache into an entry of its own (`keep`);
-- when the episode rejoins, its entry is the base of its row (`base`): only the tokens after it (the turn's last token
-  and the tool reply) are prefilled on top of it;
+- when a turn ends and its episode waits for tools, the row's state is copied out of the batch's cache into an entry of
+  its own (`keep`): per layer, what a batch-1 cache would hold after the context's tokens but the last sampled one
+  (which was never fed): keys and values (full attention: all of them; a sliding window: the last window - 1), a
+  conv state and a recurrent state (linear attention, convolution, Mamba), or both (hybrid layers), through
+  `cache_layers.cut_row`;
+- when the episode rejoins, its entry is the base of its row (`base`, `cache_layers.stack_rows`): only the tokens
+  after it (the turn's last token and the tool reply) are fed on top of it, so a recurrent state has taken every
+  context token exactly once;
 - the longest token prefix the batch's first contexts share (chat template header, system prompt, tool schemas) is
   prefilled once (`set_prefix`) and is the base of every row that has no entry of its own.
 
-The entries live on the model's device. Their bytes (keys and values of every layer) are counted against
-`budget_bytes`; an entry that does not fit in what is left is not kept (its episode re-prefills its whole context,
-as without the cache) and counts as an eviction: nothing already kept is dropped for it, so a row about to rejoin
-never loses its entry to a later one. `stats` counts what happened: `prefill_tokens` (real tokens run through prefill
-forwards), `reused_tokens` (context tokens a joining row took from an entry or the shared prefix instead),
-`evictions`, `kept` and `hits` (rows that rejoined on their own entry).
-
-Only caches of full-attention layers (`DynamicLayer`) are kept: their keys and values are per position, so a row's
-columns can be cut out and padded back in. A sliding-window layer keeps the last window - 1 columns of the whole
-batch, and a linear-attention layer a state that has already folded in the padding before it, so neither can be cut
-per row; those models decode each turn from its whole context (docs/rollout.md).
+The entries live on the model's device. Their bytes are counted against `budget_bytes`; an entry that does not fit in
+what is left is not kept (its episode re-prefills its whole context, as without the cache) and counts as an eviction:
+nothing already kept is dropped for it, so a row about to rejoin never loses its entry to a later one. An episode
+that will not come back (its reply rolled back, or filling its budget, or bringing images that `generate` goes on
+with) has its entry dropped when it ends (`drop`, on the source's word: `_Turns.ended`), so it holds no budget that a
+live row needs. `stats` counts what happened: `prefill_tokens` (real tokens run through prefill forwards),
+`prefill_positions` (the positions those forwards computed, padding included), `reused_tokens` (context tokens a
+joining row took from an entry or the shared prefix instead), `evictions`, `kept` and `hits` (rows that rejoined on
+their own entry).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_hf.cache_layers import RowState, cut_row
+
 # The default byte budget of `GRPOConfig.episode_cache_gb`: 4 GiB holds about 90,000 tokens of a 7B-class model
 # (28 layers x 4 key-value heads x 128 x 2 x bf16 = 57 KiB a token), e.g. 64 rows of 1,400-token contexts.
 DEFAULT_BUDGET_GB = 4.0
@@ -41,14 +45,14 @@ MIN_SHARED_PREFIX = 16
 
 @dataclass
 class Entry:
-    """The keys and values of a context's first tokens, as a batch-1 cache would hold them."""
+    """A context's first tokens as a batch-1 cache would hold them: every layer's `cache_layers.RowState`."""
 
-    tokens: list[int]  # the context tokens the keys and values are of
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, len(tokens), D]
+    tokens: list[int]  # the context tokens the states are of (fed, all of them, and nothing else)
+    layers: list[RowState]  # per layer: keys and values, and/or conv and recurrent states
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return sum(layer.nbytes for layer in self.layers)
 
 
 class EpisodeCache:
@@ -63,7 +67,20 @@ class EpisodeCache:
         self.prefix_chosen = False  # the shared prefix is chosen once, from the first join of two or more rows
         self.used_bytes = 0
         self.peak_bytes = 0
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "evictions": 0, "kept": 0, "hits": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "prefill_positions": 0,
+            "reused_tokens": 0,
+            "evictions": 0,
+            "kept": 0,
+            "hits": 0,
+        }
+
+    def count_prefill(self, tokens: int, positions: int) -> None:
+        """Count a prefill forward: its real `tokens`, and its `positions` (rows x width: what it computed, padding
+        included)."""
+        self.stats["prefill_tokens"] += tokens
+        self.stats["prefill_positions"] += positions
 
     def shared_prefix_length(self, contexts: Sequence[Sequence[int]]) -> int:
         """How many leading tokens of `contexts` to prefill once for all: their longest common prefix, each context
@@ -134,19 +151,14 @@ def _begins(context: Sequence[int], tokens: Sequence[int]) -> bool:
     return len(tokens) < len(context) and list(context[: len(tokens)]) == list(tokens)
 
 
-def row_entry(cache, tokens: torch.Tensor, mask: torch.Tensor, row: int) -> Entry:
-    """Row `row` of a decoding batch's full-attention `cache` as an entry of its own: the keys and values of its real
-    columns (`mask` [A, W] 1 on them; the cache holds the first W columns, or W - 1 when the last token was sampled
-    after the last forward), copied, and their tokens (`tokens` [A, W])."""
-    width = cache.layers[0].keys.size(-2)
+def row_entry(cache, tokens: torch.Tensor, mask: torch.Tensor, row: int, width: int) -> Entry:
+    """Row `row` of a decoding batch's `cache` (which has fed the first `width` of the `tokens` [A, W'] columns; `mask`
+    [A, W'] 1 on real tokens) as an entry of its own: each layer's state of the row (`cache_layers.cut_row`), copied,
+    and the real tokens it is of."""
     columns = torch.nonzero(mask[row, :width]).flatten()  # [c]
-    layers = [
-        (layer.keys[row : row + 1].index_select(2, columns), layer.values[row : row + 1].index_select(2, columns))
-        for layer in cache.layers
-    ]
-    return Entry(tokens[row, columns].tolist(), layers)
+    return Entry(tokens[row, columns].tolist(), [cut_row(layer, row, columns, width) for layer in cache.layers])
 
 
-def cache_entry(cache, tokens: list[int]) -> Entry:
-    """A batch-1 full-attention `cache` (of `tokens`) as an entry."""
-    return Entry(list(tokens), [(layer.keys, layer.values) for layer in cache.layers])
+def cache_entry(cache, ids: torch.Tensor) -> Entry:
+    """A batch-1 `cache` that has fed `ids` [1, L] as an entry."""
+    return row_entry(cache, ids, torch.ones_like(ids), 0, ids.size(1))

@@ -362,6 +362,7 @@ class _Turns:
         self.runner, self.episodes, self.seed = runner, episodes, seed
         self.ready, self.in_flight, self.counts = list(range(len(episodes))), [], [0, 0]
         self.held: list[int] = []  # episodes whose tool replies brought images: for `run_joining` to go on with
+        self.gone: list[int] = []  # episodes that called tools but will not come back to the decoder (`ended`)
 
     def poll(self, block: bool) -> list[tuple[int, list[int], int]]:
         """(episode index, context ids, budget) of each episode ready for its next turn; with `block`, wait while
@@ -387,12 +388,21 @@ class _Turns:
             return True
         return False
 
+    def ended(self) -> list[int]:
+        """The episodes that called tools and will not come back for a turn here since the last call (a reply rolled
+        back, a reply that filled the budget, a reply with images: `generate` goes on with those), for the decoder to
+        drop what it kept for them."""
+        gone, self.gone = self.gone, []
+        return gone
+
     def _collect(self) -> None:
         calling = [self.episodes[k] for k in self.in_flight]
         ready, waiting = self.runner._take_replies(calling, self.counts)
         index = {id(e): k for k, e in enumerate(self.episodes)}
         self.held += [index[id(e)] for e in ready if e.image_row is not None]
         self.ready += [index[id(e)] for e in ready if e.image_row is None]
+        back = {id(e) for e in ready if e.image_row is None} | {id(e) for e in waiting}
+        self.gone += [index[id(e)] for e in calling if id(e) not in back]
         self.in_flight = [index[id(e)] for e in waiting]
 
 

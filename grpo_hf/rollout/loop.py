@@ -14,6 +14,7 @@ On a GPU it is bound by kernel launches: use `cuda_graph`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,18 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo_hf.cache_layers import SELECTABLE, cache_layer_classes, select_rows
+from grpo_hf.cache_layers import (
+    JOIN_PROBLEMS,
+    JOINABLE,
+    SELECTABLE,
+    cache_layer_classes,
+    cat_rows,
+    drop_columns,
+    layers_outside,
+    pad_columns,
+    select_rows,
+    stack_rows,
+)
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.episode_cache import DEFAULT_BUDGET_GB, EpisodeCache, cache_entry, row_entry
 from grpo_hf.rollout.sampling import (
@@ -34,6 +46,8 @@ from grpo_hf.rollout.sampling import (
 )
 from grpo_hf.rollout.sampling_spec import SamplingSpec
 from grpo_hf.vision import has_images, position_offsets
+
+logger = logging.getLogger(__name__)
 
 
 class LoopEngine(RolloutEngine):
@@ -281,13 +295,15 @@ def decode_turns(
     rows share the batch or when it joined; without one, each step draws from the global generator.
 
     Without `episode_cache`, a joining row's whole context is prefilled, right-aligned to the batch's width. With one
-    (`episode_cache.EpisodeCache`), a row whose turn ends keeps its keys and values until it rejoins, the batch's
-    shared prefix is prefilled once, identical contexts once, and a joining row prefills only what follows its base
-    (`_prefill_on_bases`). The batch keeps only the columns its rows attend to: when rows leave, the leading columns
-    that are padding in every remaining row are dropped, from the cache too. A cache with layers other than full
-    attention (sliding windows, linear-attention states: `_joins_mid_decode`) takes no rows while some are decoding
-    (ready rows wait for the batch to finish, then start the next) and keeps nothing between turns. Call it in eval
-    mode.
+    (`episode_cache.EpisodeCache`), a row whose turn ends keeps its state until it rejoins (dropped when a source with
+    an `ended()` method names its episode as one that will not come back), the batch's shared prefix is prefilled
+    once, identical contexts once, and a joining row feeds only what follows its base, with the rows of like rests
+    (`_buckets`: padding within `PADDING_SLACK`, and none between a base and its rest unless every layer is full
+    attention). The batch keeps only the columns its rows attend to: when rows leave, the leading columns that are
+    padding in every remaining row are dropped, from the cache too. Every layer kind the `loop` engine serves
+    (`cache_layers.JOINABLE`: full, sliding-window and linear attention, convolution, Mamba, hybrid, KV-shared) is
+    cut, stacked, padded and joined by row in `cache_layers`; a cache with another kind takes no rows while some are
+    decoding and keeps nothing between turns (one log line says which). Call it in eval mode.
     """
     try:
         _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache)
@@ -302,21 +318,26 @@ def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, 
     device = next(model.parameters()).device
     joins = _joins_mid_decode(model.config)
     step = _Step(config, device, eos_token_ids, blocked_token_ids)
-    store = episode_cache if joins else None
+    store = episode_cache
+    keeps = store if joins else None  # where rows keep their states between turns (None: they keep nothing)
     keyword, cache, rows = cache_keyword(model), None, None
     streams_of = getattr(source, "draws", None)  # keys -> the rows' own random streams (RowDraws); None: global
+    ended = getattr(source, "ended", None)  # -> keys of episodes that will not come back (their entries go)
     while True:
         ready = source.poll(block=rows is None) if rows is None or joins else []
+        if keeps is not None and ended is not None:
+            for key in ended():
+                keeps.drop(key)
         if ready:
-            cache, rows = _join(model, cache, rows, ready, config.pad_token_id, keyword, device, store)
+            cache, rows, order = _join(model, cache, rows, ready, config.pad_token_id, keyword, device, store, joins)
             if streams_of is not None:
-                joined = streams_of([turn[0] for turn in ready]).to(device)
+                joined = streams_of(order).to(device)
                 step.draws = joined if step.draws is None else step.draws.cat(joined)
         if rows is None:
             return
         tokens, token_logps = step.sample(rows)  # [A], [A]
         positions = rows.mask.sum(dim=1, keepdim=True)  # [A, 1] the new token's position
-        finished = _append_tokens(rows, tokens, token_logps, step.eos, source, cache, store)  # [A]
+        finished = _append_tokens(rows, tokens, token_logps, step.eos, source, cache, keeps)  # [A]
         if bool(finished.all()):
             cache, rows, step.draws = None, None, None
             continue
@@ -374,44 +395,70 @@ def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source, cache, sto
         zip(rows.keys, rows.turns, rows.logps, finished.tolist(), strict=True)
     ):
         if is_done and source.turn_done(key, turn, logps) is not False and store is not None:
-            store.keep(key, row_entry(cache, rows.tokens, rows.mask, row))
+            store.keep(key, row_entry(cache, rows.tokens, rows.mask, row, rows.tokens.size(1) - 1))
     return finished
 
 
 def _joins_mid_decode(config) -> bool:
-    """Whether rows can join `config`'s cache mid-decode (`_join`, `_drop_padding_columns`): full attention only,
-    whose keys and values pad and cut by column; a sliding window's or a linear-attention state's do not."""
-    classes = cache_layer_classes(config)
-    return classes is not None and all(cls is DynamicLayer for cls in classes)
+    """Whether rows can join `config`'s cache mid-decode and keep their states between turns: every layer is of a kind
+    `cache_layers` cuts, stacks, pads and joins by row (`cache_layers.JOINABLE`, checked at import: full,
+    sliding-window and linear attention, convolution, Mamba, hybrid, KV-shared). Else one log line (once a kind) says
+    which layers keep nothing, and each turn prefills its whole context."""
+    outside = layers_outside(config, JOINABLE, why=JOIN_PROBLEMS)
+    if outside is not None and outside not in _LOGGED:
+        _LOGGED.add(outside)
+        logger.warning(
+            "decode_turns: no row joins the batch mid-decode or keeps its cache between turns on this model, whose "
+            "cache holds %s (not in cache_layers.JOINABLE): every turn prefills its whole context",
+            outside,
+        )
+    return outside is None
 
 
-def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device, store=None):
+_LOGGED: set[str] = set()  # what `_joins_mid_decode` has logged
+
+
+def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device, store=None, joins=True):
     """Prefill the turns of `ready` and add them to the batch (`rows` and its `cache`; None: a new batch): with an
-    episode cache (`store`), each on its base (`_prefill_on_bases`), else each whole context, right-aligned to the
-    batch's width (`_prefill_contexts`). The narrower of the batch and the joining rows is padded on the left.
-    Returns the batch's cache and rows."""
-    keys, contexts, budgets = zip(*ready, strict=True)
-    if store is not None:
-        fresh, ids, mask, logits = _prefill_on_bases(model, keys, contexts, store, keyword, device)
+    episode cache (`store`) on a model whose rows can keep their states (`joins`), each on its base, in buckets of
+    rows of like rests (`_prefill_on_bases`), else each whole context, right-aligned to the batch's width
+    (`_prefill_contexts`, counted in `store` if any). The narrower of the batch and the joining rows is padded on the
+    left. Returns the batch's cache and rows, and the keys of the joined rows in the order they were added."""
+    if store is not None and joins:
+        parts = _prefill_on_bases(model, ready, store, keyword, device)
     else:
+        keys, contexts, _ = zip(*ready, strict=True)
         width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
-        fresh, ids, mask, logits = _prefill_contexts(model, contexts, width, pad, keyword, device)
-    new = _Decoding(
-        keys=list(keys),
-        tokens=ids,
-        mask=mask,
-        budgets=torch.tensor(budgets, device=device),
-        sampled=torch.zeros(len(keys), dtype=torch.long, device=device),
-        turns=[[] for _ in keys],
-        logps=[[] for _ in keys],
-        logits=logits,
-    )
+        parts = [(list(keys), *_prefill_contexts(model, contexts, width, pad, keyword, device))]
+        if store is not None:
+            store.count_prefill(sum(map(len, contexts)), len(contexts) * width)
+    budget_of = {key: budget for key, _, budget in ready}
+    order = []
+    for keys, fresh, ids, mask, logits in parts:
+        new = _Decoding(
+            keys=keys,
+            tokens=ids,
+            mask=mask,
+            budgets=torch.tensor([budget_of[key] for key in keys], device=device),
+            sampled=torch.zeros(len(keys), dtype=torch.long, device=device),
+            turns=[[] for _ in keys],
+            logps=[[] for _ in keys],
+            logits=logits,
+        )
+        cache, rows = _merge(cache, rows, fresh, new, pad)
+        order += keys
+    return cache, rows, order
+
+
+def _merge(cache, rows: _Decoding | None, fresh, new: _Decoding, pad: int):
+    """The batch (`cache`, `rows`; None: none yet) with the rows `new` (of cache `fresh`) appended, the narrower of
+    the two padded on the left."""
     if rows is None:
         return fresh, new
     _pad_left(rows, cache, new.tokens.size(1), pad)
     _pad_left(new, fresh, rows.tokens.size(1), pad)
     for layer, joined in zip(cache.layers, fresh.layers, strict=True):
-        layer.keys, layer.values = torch.cat([layer.keys, joined.keys]), torch.cat([layer.values, joined.values])
+        cat_rows(layer, joined)
     merged = _Decoding(
         keys=rows.keys + new.keys,
         tokens=torch.cat([rows.tokens, new.tokens]),
@@ -433,7 +480,7 @@ def _pad_left(rows: _Decoding, cache, width: int, pad: int) -> None:
     rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
     rows.mask = nn.functional.pad(rows.mask, (missing, 0))
     for layer in cache.layers:
-        layer.keys, layer.values = (nn.functional.pad(x, (0, 0, missing, 0)) for x in (layer.keys, layer.values))
+        pad_columns(layer, missing)
 
 
 def _prefill_contexts(model, contexts, width: int, pad: int, keyword: str, device):
@@ -463,33 +510,80 @@ def _forward_last(model, ids, attention_mask, positions, cache, keyword: str) ->
     return output.logits[:, -1].float()
 
 
-def _prefill_on_bases(model, keys, contexts, store: EpisodeCache, keyword: str, device):
-    """The joining rows prefilled on their bases (`EpisodeCache.base`: the episode's kept keys and values, the shared
-    prefix, or nothing), each distinct (base, rest of context) once: (cache, ids [k, W], mask [k, W], fp32 logits
-    [k, V]). Row u's W = Wb + S columns are its base right-aligned in the first Wb (the widest base), then the rest
-    right-aligned in the last S (the longest rest); the gap between is masked, and filled with the row's first token so
-    that the repetition penalty, which reads every token after the left padding, sees the tokens it would."""
+# Rows whose rests differ share a prefill while its positions (padding included) stay within this factor of its tokens.
+PADDING_SLACK = 1.2
+
+
+def _prefill_on_bases(model, ready, store: EpisodeCache, keyword: str, device) -> list[tuple]:
+    """The joining rows `ready` prefilled on their bases (`EpisodeCache.base`: the episode's kept states, the shared
+    prefix, or nothing), in buckets of rows whose rests are alike (`_buckets`), each distinct (base, rest) once: per
+    bucket (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V])."""
+    keys, contexts, _ = zip(*ready, strict=True)
     _set_shared_prefix(model, contexts, store, keyword, device)  # once a run (`EpisodeCache.shared_prefix_length`)
     bases = [store.base(key, context) for key, context in zip(keys, contexts, strict=True)]
+    store.stats["reused_tokens"] += sum(len(b.tokens) for b in bases if b is not None)
+    rests = [len(c) - (len(b.tokens) if b is not None else 0) for b, c in zip(bases, contexts, strict=True)]
+    gaps = _gaps_allowed(model.config)
+    paddable = [gaps or b is None for b in bases]
+    return [
+        _prefill_bucket(model, [keys[i] for i in bucket], [bases[i] for i in bucket], [contexts[i] for i in bucket],
+                        store, keyword, device)
+        for bucket in _buckets(rests, paddable)
+    ]  # fmt: skip
+
+
+def _gaps_allowed(config) -> bool:
+    """Whether a row may have masked columns between its base and its rest: with full attention only (keys are per
+    position, and the positions are passed). A sliding window counts columns, and a linear-attention state would fold
+    the gap in after its base."""
+    classes = cache_layer_classes(config)
+    return classes is not None and all(cls is DynamicLayer for cls in classes)
+
+
+def _buckets(rests: list[int], paddable: list[bool]) -> list[list[int]]:
+    """The rows (indices of `rests`, each row's tokens to prefill) in buckets that share a prefill, longest first: a
+    row joins a bucket of longer rests only if it is `paddable` and the bucket's positions (rows x its longest rest)
+    stay within `PADDING_SLACK` x its tokens; rows of equal rests always share one."""
+    left, buckets = sorted(range(len(rests)), key=lambda i: -rests[i]), []
+    while left:
+        longest, bucket, tokens, rest = rests[left[0]], [left[0]], rests[left[0]], []
+        for i in left[1:]:
+            padded = (len(bucket) + 1) * longest <= PADDING_SLACK * (tokens + rests[i])
+            if rests[i] == longest or (paddable[i] and padded):
+                bucket.append(i)
+                tokens += rests[i]
+            else:
+                rest.append(i)
+        buckets.append(sorted(bucket))
+        left = rest
+    return buckets
+
+
+def _prefill_bucket(model, keys, bases, contexts, store: EpisodeCache, keyword: str, device) -> tuple:
+    """One bucket of `_prefill_on_bases`: (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V]). Row u's
+    W = Wb + S columns are its base right-aligned in the first Wb (the widest base), then the rest right-aligned in the
+    last S (the longest rest); a gap between is masked, and filled with the row's first token so that the repetition
+    penalty, which reads every token after the left padding, sees the tokens it would."""
     signature = [(id(b), tuple(c[len(b.tokens) if b else 0 :])) for b, c in zip(bases, contexts, strict=True)]
     first = {s: i for i, s in reversed(list(enumerate(signature)))}  # each distinct row's first occurrence
     distinct = sorted(first.values())
     index = torch.tensor([distinct.index(first[s]) for s in signature], device=device)  # [k] its distinct row
-    store.stats["reused_tokens"] += sum(len(b.tokens) for b in bases if b is not None)
     fresh, ids, mask, positions = _on_bases(
         [bases[i] for i in distinct], [contexts[i] for i in distinct], model, device
     )
-    store.stats["prefill_tokens"] += int(mask[:, -positions.size(1) :].sum())
-    logits = _forward_last(model, ids[:, -positions.size(1) :], mask, positions, fresh, keyword)  # [U, V]
+    rest = positions.size(1)
+    store.count_prefill(int(mask[:, -rest:].sum()), mask.size(0) * rest)
+    logits = _forward_last(model, ids[:, -rest:], mask, positions, fresh, keyword)  # [U, V]
     if len(distinct) < len(keys):
         select_rows(fresh, index)
         ids, mask, logits = ids[index], mask[index], logits[index]
-    return fresh, ids, mask, logits
+    return list(keys), fresh, ids, mask, logits
 
 
 def _on_bases(bases: list, contexts: list, model, device):
-    """The batch of `_prefill_on_bases` before its forward: a cache of the bases' keys and values (zeros where a row's
-    base is shorter), each row's tokens [U, W] and mask [U, W], and the positions of the rest [U, S]."""
+    """The batch of `_prefill_bucket` before its forward: a cache of the bases' states (`cache_layers.stack_rows`:
+    zeros where a row's base is shorter), each row's tokens [U, W] and mask [U, W], and the positions of the rest
+    [U, S]."""
     lengths = [len(b.tokens) if b is not None else 0 for b in bases]
     width, rest = max(lengths), max(len(c) - n for c, n in zip(contexts, lengths, strict=True))
     ids = torch.empty((len(contexts), width + rest), dtype=torch.long, device=device)
@@ -505,19 +599,8 @@ def _on_bases(bases: list, contexts: list, model, device):
     cache = DynamicCache(config=model.config)
     if width:
         for li, layer in enumerate(cache.layers):
-            keys, values = (_stack_right([b.layers[li][j] if b else None for b in bases], width) for j in (0, 1))
-            layer.update(keys, values)
+            stack_rows(layer, [b.layers[li] if b is not None else None for b in bases], width)
     return cache, ids, mask, positions
-
-
-def _stack_right(parts: list, width: int) -> torch.Tensor:
-    """Batch-1 tensors [1, H, n, D] (None: n = 0) stacked into [U, H, width, D], each right-aligned, zeros before."""
-    like = next(p for p in parts if p is not None)
-    out = like.new_zeros((len(parts), like.size(1), width, like.size(3)))
-    for u, part in enumerate(parts):
-        if part is not None and part.size(2):
-            out[u, :, width - part.size(2) :] = part[0]
-    return out
 
 
 def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, device) -> None:
@@ -528,8 +611,8 @@ def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, devic
     ids = torch.tensor([list(contexts[0][:length])], dtype=torch.long, device=device)  # [1, L]
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
-    store.stats["prefill_tokens"] += length
-    store.set_prefix(cache_entry(cache, ids[0].tolist()))
+    store.count_prefill(length, length)
+    store.set_prefix(cache_entry(cache, ids))
 
 
 def _drop_padding_columns(rows: _Decoding, cache) -> None:
@@ -541,7 +624,7 @@ def _drop_padding_columns(rows: _Decoding, cache) -> None:
         return
     rows.tokens, rows.mask = rows.tokens[:, first:], rows.mask[:, first:]
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        drop_columns(layer, first)
 
 
 def _take(rows: _Decoding, keep: torch.Tensor) -> _Decoding:
