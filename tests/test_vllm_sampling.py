@@ -42,3 +42,32 @@ def test_vllms_order_is_replayed_with_min_p_and_top_p_together(tmp_path):
     for row in rows:
         for key in ("min", "mean", "max"):
             assert math.isclose(row[f"sampling/importance_sampling_ratio/{key}"], 1.0, abs_tol=1e-3), (key, row)
+
+
+VLLM_GRID = {
+    "qwen": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+    "top_k=-1": dict(top_k=-1),
+    "top_k>=vocab": dict(top_k=10_000),
+    "suppress_tokens": dict(generation_kwargs={"suppress_tokens": [5, 6]}),
+    "no_repeat_ngram_size": dict(generation_kwargs={"no_repeat_ngram_size": 2}),
+}
+VLLM_REFUSED = {"suppress_tokens", "no_repeat_ngram_size"}  # vLLM takes no stage setting but the penalty
+
+
+@pytest.mark.parametrize("name", VLLM_GRID)
+def test_every_vllm_weight_is_one_at_learning_rate_zero_or_the_setting_is_refused(tmp_path, name):
+    """The grid of tests/test_sampling_spec.py on vLLM (colocate): the first step's ratio (vLLM's processed log-probs
+    against the trainer's, replayed where the settings change the distribution) is 1 within 1e-3, or the trainer
+    refuses the setting when it is built, naming it; top_k -1 and >= the vocabulary replay nothing."""
+    tokenizer = build_tiny_tokenizer()
+    settings = dict(max_steps=1, learning_rate=0.0, **VLLM_GRID[name])
+    if name in VLLM_REFUSED:
+        with pytest.raises(ValueError, match=f"vLLM .*{name}"):
+            colocated_trainer(tmp_path, tokenizer, **settings)
+        return
+    trainer = colocated_trainer(tmp_path, tokenizer, **settings)
+    assert (trainer.experience.replay is None) == name.startswith("top_k")
+    trainer.train()
+    (row,) = [row for row in trainer.state.log_history if "loss" in row]
+    for key in ("min", "mean", "max"):
+        assert math.isclose(row[f"sampling/importance_sampling_ratio/{key}"], 1.0, abs_tol=1e-3), (key, row)
