@@ -401,3 +401,24 @@ def test_buckets_pad_within_the_slack_and_never_between_a_base_and_its_rest():
     rests = [random.Random(s).randint(1, 50) for s in range(40)]
     for bucket in _buckets(rests, [True] * 40):
         assert len(bucket) * max(rests[i] for i in bucket) <= PADDING_SLACK * sum(rests[i] for i in bucket)
+
+
+@torch.no_grad()
+def test_a_model_whose_layers_cannot_be_kept_counts_what_it_prefilled(monkeypatch):
+    """A layer class that fails `cache_layers`' import-time check (here Gated DeltaNet's, taken out of `JOINABLE`): the
+    turns are those with the cache off, nothing is kept, and the counts say that every turn prefilled its whole
+    context (no "0.0" where every turn re-prefilled), padding included in the positions."""
+    from test_loop_families import sharpened
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from grpo_hf.cache_layers import SELECTABLE
+    from grpo_hf.rollout import loop
+
+    model = sharpened("qwen3_5")
+    plain, _ = _family_run(model, None, latency_seed=0)
+    monkeypatch.setattr(loop, "JOINABLE", tuple(c for c in SELECTABLE if c is not LinearAttentionLayer))
+    cached, store = _family_run(model, 1 << 30, latency_seed=0)
+    _assert_same_episodes(cached, plain)
+    contexts = sum(len(context) for turns in cached.episodes() for context, _, _ in turns)
+    assert store.stats["prefill_tokens"] == contexts and store.stats["prefill_positions"] >= contexts
+    assert store.stats["kept"] == store.stats["hits"] == store.stats["reused_tokens"] == 0
