@@ -37,6 +37,14 @@ For decoding without gradients (the `loop` engine), `select_rows` keeps, repeats
 the layer's own batch operation (`reorder_cache`, transformers' beam-search reorder: an `index_select` of the keys and
 values, or of the conv and recurrent states). Each call makes new tensors, so rows taken from one prompt share no
 storage, and a linear-attention layer's in-place state update (`copy_`) writes to its own batch only.
+
+Tool episodes (`loop.decode_turns`, `rollout.episode_cache`) keep a row's state between its turns and join rows
+mid-decode through five batch operations, one branch per kind each: `cut_row` (a row's keys and values, the last
+window - 1 of a sliding window's, its conv and recurrent states, copied), `stack_rows` (kept rows as a new batch's
+base, right-aligned, the layer's counters set to the batch's columns), `pad_columns`, `drop_columns` and `cat_rows`.
+They too read transformers' internals (`lazy_initialization`'s keywords, the counters, `has_previous_state`), so each
+class of `SELECTABLE` is checked once at import by a round trip (`_check_joinable`); one that fails is left out of
+`JOINABLE` with the reason logged, and its models prefill every turn's whole context.
 """
 
 from __future__ import annotations
