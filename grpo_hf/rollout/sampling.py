@@ -374,17 +374,21 @@ def replayed_logps(
     logps = torch.zeros((n, t), dtype=torch.float32, device=logits.device)  # [n, t]
     rows, columns = mask[:, :t].nonzero(as_tuple=True)  # [K] the positions to replay
     P, warpers = prompt_ids.size(1), spec.warpers()
-    context = torch.cat([prompt_ids, completion_ids[:, : max(t - 1, 0)]], dim=1)  # [n, W], W = P + t - 1
+    reads = spec.reads_context()  # else the stage reads only the counts, and the warpers nothing
+    context = torch.cat([prompt_ids, completion_ids[:, : max(t - 1, 0)]], dim=1) if reads else None  # [n, P + t - 1]
     padding = (prompt_mask != 0).int().argmax(dim=1)  # [n]
-    step = chunk_size or max(1, CHUNK_ELEMENTS // max(V, context.size(1)))
+    step = chunk_size or max(1, CHUNK_ELEMENTS // max(V, context.size(1) if reads else 0))
     for start in range(0, rows.numel(), step):
         r, c = rows[start : start + step], columns[start : start + step]  # [k]
         tokens = completion_ids[r, c]  # [k]
-        shift = context.size(1) - (P + c)  # [k] positions before each context, once right-aligned
-        positions = torch.arange(context.size(1), device=context.device)[None]  # [1, W]
-        inputs = context[r].gather(1, (positions - shift[:, None]).clamp(min=0))  # [k, W]
-        scores = spec.apply_stage(inputs, logits[r, c].float(), shift + padding[r], c)  # [k, V]
-        scores = warpers(inputs, scores)
+        if reads:
+            shift = context.size(1) - (P + c)  # [k] positions before each context, once right-aligned
+            positions = torch.arange(context.size(1), device=context.device)[None]  # [1, W]
+            inputs = context[r].gather(1, (positions - shift[:, None]).clamp(min=0))  # [k, W]
+            lead = shift + padding[r]  # [k] what lies before each row's first real token
+        else:
+            inputs, lead = tokens[:, None], torch.zeros_like(c)  # [k, 1]: read by nothing
+        scores = warpers(inputs, spec.apply_stage(inputs, logits[r, c].float(), lead, c))  # [k, V]
         logps[r, c] = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return logps
 

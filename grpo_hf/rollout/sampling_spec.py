@@ -296,6 +296,12 @@ class SamplingSpec:
         truncates = bool(self.top_k) or self.top_p < 1.0 or bool(self.min_p)
         return bool(self.stage_settings() or self.blocked_token_ids or truncates or self.temperature != temperature)
 
+    def reads_context(self) -> bool:
+        """Whether the stage reads the tokens before a position (a penalty, n-grams, a word or bias of several
+        tokens), not only their count."""
+        longer = any(len(ids) > 1 for ids in self.bad_words_ids) or any(len(ids) > 1 for ids, _ in self.sequence_bias)
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or longer
+
     def for_kind(self, kind: str) -> SamplingSpec:
         return dataclasses.replace(self, kind=kind)
 
