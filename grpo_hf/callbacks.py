@@ -47,6 +47,7 @@ class StopTogether(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if sum_over_processes(self.accelerator, int(self.request.received is not None)) > 0:
+            self.request.received = self.request.received or "a stop signal to another process"  # `stopped_by`
             control.should_save = args.save_strategy != "no"
             control.should_training_stop = True
 

@@ -15,8 +15,11 @@
 - **A final model, always.** Under FSDP with a sharded state dict (accelerate's FSDP2 default), `Trainer.save_model`
   writes nothing; here it gathers the full weights to process 0, one tensor at a time, and writes a model that
   `from_pretrained` loads (or the LoRA adapter). Checkpoints stay sharded, for resuming.
-- **Stopping cleanly.** `StopRequest`: on SIGTERM or Ctrl-C the trainer finishes the step, saves and
-  stops, so a preempted run loses nothing even between `save_steps`.
+- **Stopping cleanly.** `StopRequest`: on SIGUSR1, SIGTERM or Ctrl-C the trainer finishes the step, saves and
+  stops (`stopped_by` says which signal), so a preempted run loses nothing even between `save_steps`; a script then
+  exits with `STOPPED_EXIT_CODE`, which a batch script reads as "requeue me".
+- **Resume by itself.** `resume_from_checkpoint=True` (or 'true', 'last': `normalize_resume`) is the newest complete
+  checkpoint, or a fresh run when there is none, so one command starts a run and continues it after a requeue.
 
 `AtomicCheckpoints` is the `Trainer` mixin that puts these together; `GRPOTrainer` supplies its run state.
 """
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from grpo_hf.parallel import name_lost_peers, start_heartbeat
 from grpo_hf.trainer_hooks import check_trainer_hooks
 
 logger = logging.getLogger(__name__)
@@ -93,20 +97,41 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+RESUME_LAST = ("true", "last")
+"""`resume_from_checkpoint` values (any case) that mean the newest complete checkpoint of `output_dir`, as `True`
+does: what a command line passes (`--resume_from_checkpoint true`)."""
+
+
+def normalize_resume(resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """True for `True`, 'true' or 'last'; None for `False`, 'false', 'none' or ''; a path otherwise."""
+    if isinstance(resume_from_checkpoint, str):
+        word = resume_from_checkpoint.strip().lower()
+        if word in RESUME_LAST:
+            return True
+        if word in ("false", "none", ""):
+            return None
+        return resume_from_checkpoint
+    if resume_from_checkpoint is True:
+        return True
+    return None if resume_from_checkpoint in (None, False) else resume_from_checkpoint
+
+
 def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """`Trainer.train`'s argument -> a checkpoint path: True means the newest complete one in `output_dir`."""
+    """`Trainer.train`'s argument -> a checkpoint path. True ('true', 'last') means the newest complete checkpoint
+    in `output_dir`, or a fresh run (None) when there is none: the same command starts a run and continues it."""
+    resume_from_checkpoint = normalize_resume(resume_from_checkpoint)
     if resume_from_checkpoint is True:
         found = last_complete_checkpoint(output_dir)
         if found is None:
-            raise ValueError(
-                f"resume_from_checkpoint=True but output_dir={output_dir!r} holds no complete checkpoint-N "
-                "directory. Pass a checkpoint path, or train without resume_from_checkpoint."
-            )
+            logger.info(f"resume_from_checkpoint: output_dir={output_dir!r} holds no complete checkpoint; starting.")
         return found
-    if resume_from_checkpoint in (None, False):
+    if resume_from_checkpoint is None:
         return None
     if not os.path.isdir(resume_from_checkpoint):
-        raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory.")
+        raise ValueError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory. Pass a checkpoint-N directory, "
+            "or true (also 'last') for the newest complete checkpoint of output_dir."
+        )
     if missing := missing_files(resume_from_checkpoint):
         raise ValueError(
             f"resume_from_checkpoint={resume_from_checkpoint!r} is incomplete (no {', '.join(missing)}). Pass "
@@ -152,12 +177,23 @@ def load_run_state(checkpoint: str, rank: int, device: torch.device) -> dict[str
     return _to(torch.load(path, map_location="cpu", weights_only=True), device)
 
 
-class StopRequest:
-    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C during `train`: finish the optimizer step, save a
-    checkpoint and stop, instead of dying with everything since the last `save_steps` lost. A second Ctrl-C
-    interrupts at once. Outside the main thread (where handlers cannot be set) it does nothing."""
+STOPPED_EXIT_CODE = 75
+"""The exit status of a run that a stop signal ended after its checkpoint: "stopped, requeue me", not "done" (0)
+nor "failed" (anything else). 75 is sysexits.h's EX_TEMPFAIL ("try again later"). `recipes/gsm8k.py` exits with it;
+`recipes/slurm/grpo.sbatch` requeues the job on it."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+class StopRequest:
+    """SIGUSR1 (what a batch script asks SLURM to send before the time limit), SIGTERM (a scheduler's preemption
+    notice) or a first Ctrl-C during `train`: finish the optimizer step, save a checkpoint and stop, instead of dying
+    with everything since the last `save_steps` lost. A second Ctrl-C interrupts at once. Outside the main thread
+    (where handlers cannot be set) it does nothing.
+
+    The handler only records the signal, so whatever the process is doing when it lands (a rollout, a request to a
+    vLLM server, a weight push, a collective) goes on to the end of the step: Python resumes an interrupted system
+    call after the handler returns (PEP 475)."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.received: str | None = None
@@ -184,7 +220,7 @@ class StopRequest:
 
 class AtomicCheckpoints:
     """A `transformers.Trainer` mixin (list it before `Trainer`): whole-or-absent checkpoints with a run state per
-    process, resume from the newest complete checkpoint, and a clean stop on SIGTERM / Ctrl-C.
+    process, resume from the newest complete checkpoint, and a clean stop on SIGUSR1 / SIGTERM / Ctrl-C.
 
     The subclass returns its run state from `_run_state()` and restores it in `_load_run_state(path, state)`
     (`state` None: the checkpoint has none for this number of processes); it stops at a step end when
@@ -220,19 +256,35 @@ class AtomicCheckpoints:
     def _run_state_to_save(self) -> dict[str, Any]:
         return {"num_processes": self.accelerator.num_processes, **self._run_state()}
 
+    @property
+    def stopped_by(self) -> str | None:
+        """The signal that stopped the last `train` after its checkpoint ('SIGUSR1', 'SIGTERM', 'SIGINT'), or None
+        when it ran to its end: a caller skips its end-of-training work and exits with `STOPPED_EXIT_CODE`."""
+        return self.stop_request.received
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`. `output_dir` is checked for writing again; `resume_from_checkpoint=True` takes the newest
-        *complete* checkpoint; the run state is restored with Trainer's, so the resumed run repeats the unbroken one
-        exactly."""
+        """`Trainer.train`. `output_dir` is checked for writing again; `resume_from_checkpoint=True` (or 'true',
+        'last'; without the argument, `args.resume_from_checkpoint`) takes the newest *complete* checkpoint, or
+        starts afresh when there is none; the run state is restored with Trainer's, so the resumed run repeats the
+        unbroken one exactly."""
         if self.args.should_save:  # checked at construction too; it may have changed since
             check_writable(self.args.output_dir)
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:
             self._load_run_state(resume, self._saved_run_state(resume))
+        start_heartbeat(self.accelerator)  # so that a process that dies without a word is named by the others
         with self.stop_request:
-            output = super().train(
-                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-            )
+            try:
+                output = super().train(
+                    resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+                )
+            except Exception as error:
+                if lost := name_lost_peers(error):
+                    logger.error(f"A process of this run is gone: {lost}")
+                    raise RuntimeError(f"Training failed because a process of this run is gone: {lost}") from error
+                raise
         if self.stop_request.received:
             logger.warning(
                 f"Training stopped by {self.stop_request.received} after step {self.state.global_step}, checkpoint "

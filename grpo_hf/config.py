@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 
 from transformers import GenerationConfig, TrainingArguments
 
+from grpo_hf.checkpoint import normalize_resume
 from grpo_hf.core import EntropySettings, LossSettings, check_choice
 from grpo_hf.values import as_dict, with_article
 from grpo_hf.vllm_config import VLLMArguments
@@ -550,6 +551,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         frozen settings the step reads (`loss_settings()`, `entropy_settings()`, `sampling_correction()`) check
         themselves when built, so a config that builds is one the trainer can run. Each check raises with the fix."""
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        self.resume_from_checkpoint = normalize_resume(self.resume_from_checkpoint)  # 'true'/'last' -> True
         super().__post_init__()
         for name in DICT_FIELDS:  # JSON text (the command line) read here, once; None -> {}
             setattr(self, name, as_dict(getattr(self, name), name))

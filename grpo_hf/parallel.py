@@ -8,7 +8,9 @@ divided by their number, with a missing gradient counted as zero), in buckets so
 
 A process that fails alone leaves the others waiting in their next collective. `stop_together` makes a failure in
 user code (a reward function) stop every process with the same message; `check_same_dataset` catches, before the
-first step, a dataset that differs between processes.
+first step, a dataset that differs between processes. A process that dies without a word (SIGKILL, a lost node) is
+named by the others after their collective fails: each process beats in the launcher's store (`Heartbeat`), and
+`name_lost_peers` says whose heartbeat stopped.
 
 Under FSDP2 the reference model is sharded like the policy, one decoder layer per shard unit
 (`prepare_reference`), and generation gathers each of the policy's units once per rollout, not once per token
@@ -19,12 +21,15 @@ reference model mixes the policy's parameters into it (`mix_parameters_`), once 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
@@ -99,6 +104,91 @@ def this_machine() -> str:
     import socket
 
     return f"node {os.environ.get('GROUP_RANK', '?')} ({socket.gethostname()})"
+
+
+HEARTBEAT_S = 2.0  # how often each process says it is alive
+_LOST_LINK = re.compile(r"connection (closed|reset|refused)|by peer|timed? ?out|broken pipe|aborted", re.IGNORECASE)
+
+
+class Heartbeat:
+    """Which processes are still there, once a collective failed: a process killed without a word (SIGKILL, a lost
+    node) leaves the others with an error that names an address at best (gloo: `Connection closed by peer
+    [10.0.0.2]:41234`), or none (a timeout).
+
+    Each process of a multi-process run writes who it is (`node N (host)`, its pid) into the launcher's key-value store
+    (torchrun's, at MASTER_ADDR:MASTER_PORT; the one the process group was made with) and, from a daemon thread, adds 1
+    to its own counter there every `HEARTBEAT_S` seconds; the thread only talks to the store, never joins a collective,
+    and ends quietly when the store is gone. After a failure, `lost()` reads every counter twice, `wait_s` apart: the
+    processes whose counter did not move are gone (or hung), and are named. A store that does not answer is itself the
+    news: it lives on the main node, which is then gone."""
+
+    def __init__(self, rank: int, world_size: int, address: str, port: int, period: float = HEARTBEAT_S):
+        self.rank, self.world_size, self.address, self.port, self.period = rank, world_size, address, port, period
+        self.store = self._connect()
+        self.store.set(f"grpo_hf/who/{rank}", f"{this_machine()}, pid {os.getpid()}")
+        import threading
+
+        threading.Thread(target=self._beat, name="grpo_hf-heartbeat", daemon=True).start()
+
+    def _connect(self):
+        import datetime
+
+        return dist.TCPStore(
+            self.address, self.port, is_master=False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
+        )
+
+    def _beat(self) -> None:
+        import time
+
+        while True:
+            try:
+                self.store.add(f"grpo_hf/beat/{self.rank}", 1)
+            except Exception:  # the store is gone: `lost` says so
+                return
+            time.sleep(self.period)
+
+    def lost(self, wait_s: float | None = None) -> str:
+        """One line naming the processes (node, host, pid) whose heartbeat stopped, or the store that went."""
+        import time
+
+        wait_s = 3 * self.period if wait_s is None else wait_s
+        where = f"the launcher's store at {self.address}:{self.port} (on the main node, machine rank 0)"
+        try:
+            store = self._connect()  # a connection of its own: the beating thread's may be mid-call
+            before = [store.add(f"grpo_hf/beat/{rank}", 0) for rank in range(self.world_size)]
+            time.sleep(wait_s)
+            after = [store.add(f"grpo_hf/beat/{rank}", 0) for rank in range(self.world_size)]
+            silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            names = [f"process {r} on {store.get(f'grpo_hf/who/{r}').decode()}" for r in silent]
+        except Exception as error:
+            return f"{where} does not answer ({type(error).__name__}): the main node is gone, or its launcher."
+        if not names:
+            return ""
+        return f"{'; '.join(names)}: no heartbeat for {wait_s:g} s, so gone (killed, or its node lost) or hung."
+
+
+_HEARTBEAT: Heartbeat | None = None
+
+
+def start_heartbeat(accelerator) -> None:
+    """The process's `Heartbeat`, started once (a daemon thread for the process's life) in a multi-process run whose
+    launcher gave a store address (MASTER_ADDR, MASTER_PORT); a failure to start it is logged, never raised."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None or accelerator.num_processes == 1 or "MASTER_PORT" not in os.environ:
+        return
+    try:
+        address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+        _HEARTBEAT = Heartbeat(accelerator.process_index, accelerator.num_processes, address, port)
+    except Exception as error:
+        logger.warning(f"No heartbeat (a dead peer will not be named): {type(error).__name__}: {error}")
+
+
+def name_lost_peers(error: BaseException) -> str:
+    """After `error` in a multi-process run: a line naming the processes that stopped answering, when `error` is a
+    collective's failure (a lost connection, a timeout) and the heartbeat knows whom; else ''."""
+    if _HEARTBEAT is None or not (isinstance(error, dist.DistError) or _LOST_LINK.search(str(error))):
+        return ""
+    return _HEARTBEAT.lost()
 
 
 def check_same_dataset(dataset, accelerator, name: str = "train_dataset") -> None:

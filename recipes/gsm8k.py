@@ -12,6 +12,11 @@ Usage:
 Every key of the YAML file is a field of `ScriptArguments` below or of `grpo_hf.GRPOConfig`; the command
 line overrides the file (`--learning_rate 1e-5`). `--help` lists all of them.
 
+A run stopped by SIGUSR1 (what recipes/slurm/grpo.sbatch has SLURM send before the time limit), SIGTERM or Ctrl-C
+ends its step, writes a checkpoint, skips the final evaluation and save, and exits with `STOPPED_EXIT_CODE` (75);
+`--resume_from_checkpoint true` (also `last`) continues from the newest complete checkpoint of `output_dir`, or
+starts when there is none.
+
 Outputs in `output_dir`: `eval.json` (greedy pass@1 before/after), `eval_samples.jsonl` (every evaluated
 completion), `training_curves.png`, the model (or LoRA adapter, plus `merged/` with `--merge_adapter`) and
 its tokenizer.
@@ -42,6 +47,7 @@ from transformers import set_seed
 from transformers.utils import is_torch_bf16_gpu_available
 
 from grpo_hf import GRPOConfig, GRPOTrainer, get_reward_funcs
+from grpo_hf.checkpoint import STOPPED_EXIT_CODE
 from grpo_hf.models import load_model, load_tokenizer
 from grpo_hf.offline_model import OFFLINE_MODEL_ID, resolve_model_path
 from grpo_hf.rewards import names_a_reward_model
@@ -334,10 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer = build_trainer(model, tokenizer, train_dataset, args, config)
     train_start = time.time()
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)  # true / last: the newest checkpoint
     extra["train_runtime_s"] = time.time() - train_start
     if trainer.rollout is not None:  # vLLM: shut it down before the process group is destroyed at the end
         trainer.rollout.close()
+    if trainer.stopped_by is not None:  # a checkpoint is written; what follows is for a finished run only
+        raise TrainingStopped(trainer.stopped_by, trainer.state.global_step)
 
     if args.eval_after:
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
@@ -354,21 +362,39 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def leave_together() -> None:
-    """End a multi-process run once every rank is done: leave together and close the process group (a rank that exits
-    while the others still hold their gloo/NCCL connections can abort at interpreter shutdown), then run the exit
-    handlers (loggers, trackers) and skip the interpreter's teardown, where gloo's threads still abort a process now
-    and then ("terminate called without an active exception", exit code -6) after every result is written."""
+class TrainingStopped(SystemExit):
+    """`main` was stopped by a signal (SIGUSR1 before a time limit, SIGTERM, Ctrl-C) after the trainer wrote its
+    checkpoint: the final evaluation and save are skipped, and the process exits with `STOPPED_EXIT_CODE` ("stopped,
+    requeue me"), on which recipes/slurm/grpo.sbatch requeues the job. The same command then resumes the run."""
+
+    def __init__(self, signal_name: str, step: int):
+        super().__init__(STOPPED_EXIT_CODE)
+        logger.warning(
+            "Stopped by %s after step %d, checkpoint written: no final evaluation or save. Run the same command with "
+            "--resume_from_checkpoint true to continue (exit code %d: stopped, requeue me).",
+            signal_name, step, STOPPED_EXIT_CODE,
+        )  # fmt: skip
+
+
+def leave_together(code: int = 0) -> None:
+    """End the run with exit status `code`. A multi-process run leaves once every rank is done: it leaves together and
+    closes the process group (a rank that exits while the others still hold their gloo/NCCL connections can abort at
+    interpreter shutdown), then runs the exit handlers (loggers, trackers) and skips the interpreter's teardown, where
+    gloo's threads still abort a process now and then ("terminate called without an active exception", exit code -6)
+    after every result is written."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
+        sys.exit(code)
     PartialState().wait_for_everyone()
     PartialState().destroy_process_group()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TrainingStopped as stopped:
+        leave_together(stopped.code)
     leave_together()

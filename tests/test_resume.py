@@ -16,7 +16,7 @@ from conftest import id_sum_reward, make_trainer, tiny_run_args
 from datasets import Dataset
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.checkpoint import RUN_STATE, STAGING_DIR
+from grpo_hf.checkpoint import RUN_STATE, STAGING_DIR, resolve_resume
 
 VOLATILE = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
@@ -152,11 +152,47 @@ def test_resume_true_skips_an_incomplete_newest_checkpoint_with_a_warning(tmp_pa
 
 def test_resume_errors_name_the_problem(tmp_path):
     trainer = checkpointed_trainer(tmp_path / "empty", max_steps=1)
-    with pytest.raises(ValueError, match="holds no complete checkpoint"):
-        trainer.train(resume_from_checkpoint=True)
     (tmp_path / "half").mkdir()
     with pytest.raises(ValueError, match=r"incomplete \(no trainer_state.json, model weights\)"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "half"))
+    with pytest.raises(ValueError, match=r"'nowhere' is not a directory.*true \(also 'last'\)"):
+        trainer.train(resume_from_checkpoint="nowhere")
+
+
+def test_resume_true_true_or_last_is_the_newest_complete_checkpoint_or_a_fresh_start(tmp_path):
+    """As HF Trainer's True, and what a command line passes ('true', 'last'): the newest complete checkpoint-N of
+    output_dir; none (a first submission of a job) starts the run; a half-written one (.saving/, a checkpoint-N
+    without weights) is never picked."""
+    out = tmp_path / "run"
+    for value in (True, "true", "last", "LAST", " True "):
+        assert resolve_resume(value, str(out)) is None  # no output_dir yet: a fresh run
+    for value in (None, False, "false", "none", ""):
+        assert resolve_resume(value, str(out)) is None
+    for step in (1, 2):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        (out / f"checkpoint-{step}" / "model.safetensors").write_text("")
+    (out / "checkpoint-3").mkdir()  # being written by another tool: no weights yet
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (out / STAGING_DIR / "checkpoint-4").mkdir(parents=True)  # grpo_hf's own half-written one
+    for value in (True, "true", "last"):
+        assert resolve_resume(value, str(out)) == str(out / "checkpoint-2")
+    assert resolve_resume(str(out / "checkpoint-1"), str(out)) == str(out / "checkpoint-1")
+    config = tiny_run_args(out, CHECKPOINTED, resume_from_checkpoint="last")
+    assert config.resume_from_checkpoint is True  # the command line's word, normalised once
+
+
+def test_resume_true_without_a_checkpoint_trains_from_the_start(tmp_path):
+    """The same command starts a run and continues it: `args.resume_from_checkpoint=True` (what `train()` reads when
+    given nothing) on an empty output_dir trains from step 0, as the unbroken run does."""
+    fresh = checkpointed_trainer(tmp_path / "fresh", max_steps=2, resume_from_checkpoint="true")
+    fresh.train()
+    unbroken = checkpointed_trainer(tmp_path / "unbroken", max_steps=2)
+    unbroken.train()
+    assert_same_run(fresh, unbroken, after=0)
+    again = checkpointed_trainer(tmp_path / "fresh", max_steps=3, resume_from_checkpoint="true")
+    again.train()  # continues from checkpoint-2: one more step, one more rollout
+    assert again.state.global_step == 3 and again.num_generate_calls == fresh.num_generate_calls // 2 == 1
 
 
 def test_an_unwritable_output_dir_fails_at_construction_and_at_train(tmp_path):
@@ -181,23 +217,25 @@ from transformers import TrainerCallback
 class Preempt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before it kills a job
+            os.kill(os.getpid(), signal.{signal})  # what a scheduler sends before it kills a job
 
 trainer = checkpointed_trainer({out!r}, max_steps=6, save_steps=500, steps_per_generation=2)
 trainer.add_callback(Preempt())
 trainer.train()
-print("global_step", trainer.state.global_step)
+print("global_step", trainer.state.global_step, "stopped_by", trainer.stopped_by)
 """
 
 
-def test_sigterm_finishes_the_step_saves_and_stops_so_nothing_is_lost(tmp_path):
-    """save_steps=500 would leave nothing on disk at step 3: SIGTERM makes the trainer save and stop cleanly."""
+@pytest.mark.parametrize("signum", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_finishes_the_step_saves_and_stops_so_nothing_is_lost(tmp_path, signum):
+    """save_steps=500 would leave nothing on disk at step 3: SIGUSR1 (a batch script's notice before the time limit;
+    by default it would kill the process) or SIGTERM makes the trainer save and stop cleanly, and say why."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    script = STOPPER.format(tests=str(Path(__file__).parent), out=str(out))
+    script = STOPPER.format(tests=str(Path(__file__).parent), out=str(out), signal=signum)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "global_step 3" in result.stdout and "SIGTERM" in result.stderr
+    assert f"global_step 3 stopped_by {signum}" in result.stdout and signum in result.stderr
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
 
     resumed = checkpointed_trainer(out, max_steps=6, save_steps=500, steps_per_generation=2)
