@@ -26,8 +26,9 @@ LATEST_TORCH_SPEC ?= torch
 # rollout engines, the log-prob paths, TRL's API and metrics, and the docs' examples (`make test-latest`, `test-lowest`)
 VERSION_TESTS ?= tests/test_cache_layers.py tests/test_families.py tests/test_loop_families.py \
 	tests/test_rollout_engines.py tests/test_cuda_graph_engine.py tests/test_episode_cache.py tests/test_logprobs.py \
-	tests/test_sampling_replay.py tests/test_moe_router.py tests/test_vision.py tests/test_trl_surface.py \
-	tests/test_trl_dropin.py tests/test_trl_parity.py tests/test_trainer.py tests/test_docs_examples.py
+	tests/test_sampling_replay.py tests/test_sampling_spec.py tests/test_moe_router.py tests/test_vision.py \
+	tests/test_trl_surface.py tests/test_trl_dropin.py tests/test_trl_parity.py tests/test_trainer.py \
+	tests/test_docs_examples.py
 
 .PHONY: install install-vllm demo demo-tools test test-latest test-lowest lock lint format bench bench-gpu
 
