@@ -8,12 +8,14 @@ and a per-node step guarded by the global rank is missing on node 1. On one mach
 nothing runs twice. Two launches of the script (about 40 s each here) serve every test.
 """
 
+import http.server
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,9 +181,9 @@ MACHINE_FAULTS = {
     # stop_together names the process and, the job spanning two machines, its node and host
     "reward_raises": r"Failed while computing rewards on 1 of 2 processes \(process 1 on node 1 \([^)]+\): "
     r".*answer key is missing",
-    # a process gone without a word: gloo names the peer's address on machine 0 (closed or reset, by timing), the
-    # launcher of machine 1 its rank and signal
-    "sigkill": r"\[127\.0\.0\.1\]:\d+: Connection (closed|reset) by peer|Connection (closed|reset) by peer \[127",
+    # a process gone without a word: its heartbeat stopped, so machine 0 names its process, node, host and pid (gloo
+    # names an address only); the launcher of machine 1 names its rank and signal
+    "sigkill": r"a process of this run is gone: process 1 on node 1 \([^)]+\), pid \d+: no heartbeat for 6 s",
 }
 
 
@@ -198,6 +200,27 @@ def test_a_failure_on_machine_1_stops_machine_0_naming_it(tmp_path, mode):
         assert re.search(r"rank\s*: 1 \(local_rank: 0\)\s*\n\s*exitcode\s*: -9", machine1["err"]), machine1["err"][
             -3000:
         ]
+        relaunch_resumes_from_the_last_complete_checkpoint(tmp_path)
+
+
+def relaunch_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    """After the SIGKILL at the start of step 3: checkpoint-2 is the newest complete one. A checkpoint-3 half-written
+    by grpo_hf (.saving/) and one without weights (another tool's, or older grpo_hf's) are left too: the same run
+    launched again resumes from checkpoint-2 and trains to its end."""
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    (run / ".saving" / "checkpoint-3").mkdir(parents=True)
+    (run / ".saving" / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (run / "checkpoint-3").mkdir()
+    (run / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    relaunched = run_machines(tmp_path, 2, FAULTS, str(run), "resume", timeout=FAULT_BOUND_S)
+    for machine in relaunched:
+        assert machine["rc"] == 0, machine["out"][-2000:] + machine["err"][-4000:]
+        assert f"resuming from {run / 'checkpoint-2'}" in machine["out"] and "ended at step 4" in machine["out"]
+    assert (
+        "Skipping" in relaunched[0]["err"]
+        and "checkpoint-3: it is incomplete (no model weights)" in relaunched[0]["err"]
+    )
 
 
 def test_a_server_on_another_machine_without_a_shared_weights_dir_is_warned_of(tmp_path, monkeypatch, caplog):
@@ -221,3 +244,122 @@ def test_a_server_on_another_machine_without_a_shared_weights_dir_is_warned_of(t
         with caplog.at_level("WARNING", logger="grpo_hf"):
             vllm_server.VLLMServer(args, None, [2])
         assert ("cannot read" in caplog.text and "vllm_server_weights_dir" in caplog.text) == warned, url
+
+
+PREEMPT = Path(__file__).parent / "distributed" / "preempt.py"
+
+
+def step_rows(output_dir: Path) -> list[dict]:
+    """The per-step log rows of a finished recipe run (its trainer_state.json), without the machine's timings."""
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return without_timing([row for row in state["log_history"] if "loss" in row])
+
+
+def saved_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(output_dir / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """recipes/gsm8k.py on two machines (synchronous, and max_staleness=1): each run to its end; stopped by SIGUSR1
+    during the rollout of step 3; then the same command again."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    tmp = tmp_path_factory.mktemp("preempted")
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer, "qwen2", seed=5, tied=True).save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    shared = tmp / "shared"
+    shared.mkdir()
+    phases, stopped_dirs = {}, {}
+    for phase in ("unbroken", "stopped", "resume"):
+        phases[phase] = run_machines(tmp, 2, PREEMPT, str(tmp / "model"), str(shared), phase)
+        if phase == "stopped":  # what the stop left
+            stopped_dirs = {
+                case: sorted(p.name for p in (shared / case / "run").iterdir()) for case in ("sync", "async1")
+            }
+    return phases, shared, stopped_dirs
+
+
+def test_a_stopped_run_saves_exits_stopped_and_the_same_command_resumes_it_exactly(preempted):
+    """SIGUSR1 to one process of two, mid-rollout: both finish the step, write its checkpoint (save_steps=500 would
+    write none), skip the recipe's final save and exit with STOPPED_EXIT_CODE (through torchrun's launcher, which
+    says 1 and reports the process's code); the same command again resumes from that checkpoint and ends with the
+    unbroken run's per-step logs and parameters, exactly; at max_staleness=1 too."""
+    from grpo_hf.checkpoint import STOPPED_EXIT_CODE
+
+    phases, shared, stopped_dirs = preempted
+    for phase in ("unbroken", "resume"):
+        for machine in phases[phase]:
+            assert machine["rc"] == 0, phase + machine["out"][-2000:] + machine["err"][-6000:]
+    for machine, stopped_by in zip(phases["stopped"], ("a stop signal to another process", "SIGUSR1"), strict=True):
+        output = machine["out"] + machine["err"]
+        assert re.search(rf"exitcode\s*: {STOPPED_EXIT_CODE} ", machine["err"]), output[-6000:]
+        assert re.search(f"Stopped by {stopped_by} after step [23], checkpoint written", output), output[-6000:]
+    for case in ("sync", "async1"):
+        unbroken, run = shared / case / "unbroken", shared / case / "run"
+        (checkpoint,) = [name for name in stopped_dirs[case] if name.startswith("checkpoint-")]  # save_steps=500
+        # the stop lands during step 3's rollout: in step 3, or at max_staleness=1 (sampled a step ahead) in step 2
+        assert checkpoint == "checkpoint-3" or (case == "async1" and checkpoint == "checkpoint-2"), case
+        assert not {"model.safetensors", "trainer_state.json", "training_curves.png"} & set(stopped_dirs[case])
+        assert not (unbroken / checkpoint).exists()
+        rows = step_rows(run)
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5] and rows == step_rows(unbroken), case
+        mine, theirs = saved_parameters(run), saved_parameters(unbroken)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), case
+
+
+class _Serving(http.server.BaseHTTPRequestHandler):
+    """A vLLM server stand-in that answers what `VLLMServer.connect` reads, serving `served` (/v1/models' entry)."""
+
+    served: dict = {}
+
+    def do_GET(self):  # noqa: N802
+        routes = {"/health": {}, "/version": {"version": "0.32.0"}, "/server_info": {}}
+        routes["/v1/models"] = {"data": [{**self.served, "max_model_len": 64}]}
+        body = json.dumps(routes[self.path.split("?")[0]]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_trainer_checks_at_connect_that_the_server_serves_its_model(tmp_path):
+    """The policy's name_or_path, or the same parameter shapes under another name (read from the server's model
+    path), pass; a model of other shapes, or one that cannot be read under another name, is an error naming both."""
+    from conftest import build_tiny_model, build_tiny_tokenizer, tiny_run_args
+
+    from grpo_hf.rollout.vllm_server import VLLMServer
+
+    tokenizer = build_tiny_tokenizer()
+    policy, other = build_tiny_model(tokenizer, "qwen2"), build_tiny_model(tokenizer, "qwen2", num_layers=3)
+    for name, model in (("policy", policy), ("copy", policy), ("other", other)):
+        model.save_pretrained(tmp_path / name)
+    policy.config._name_or_path = str(tmp_path / "policy")
+    handler = type("Handler", (_Serving,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = tiny_run_args(tmp_path, {}, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_cpu=True)
+    try:
+        for served in (
+            {"id": str(tmp_path / "policy"), "root": str(tmp_path / "policy")},
+            {"id": "policy", "root": str(tmp_path / "policy")},
+            {"id": "my-policy", "root": str(tmp_path / "copy")},  # another name, the same shapes
+        ):
+            handler.served = served
+            assert VLLMServer(args, None, [2], model_config=policy.config).model_id == served["id"]
+        handler.served = {"id": "other", "root": str(tmp_path / "other")}
+        with pytest.raises(ValueError, match=r"is not the model the vLLM server .* num_hidden_layers 2 \(server: 3\)"):
+            VLLMServer(args, None, [2], model_config=policy.config)
+        handler.served = {"id": "elsewhere", "root": "/on/the/server/only"}
+        with pytest.raises(ValueError, match=r"cannot read to compare.*--served-model-name .*policy"):
+            VLLMServer(args, None, [2], model_config=policy.config)
+    finally:
+        server.shutdown()
+        server.server_close()

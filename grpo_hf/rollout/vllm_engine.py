@@ -128,7 +128,7 @@ class VLLMEngine(RolloutEngine):
                     "LoraConfig (one trained copy), or start the server from a checkpoint saved with "
                     "tie_word_embeddings=False."
                 )
-            return VLLMServer(self.args, self.accelerator, self.eos_token_ids, per_process)
+            return VLLMServer(self.args, self.accelerator, self.eos_token_ids, per_process, base_model(model).config)
         return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
 
 

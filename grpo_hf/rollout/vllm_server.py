@@ -47,17 +47,20 @@ SHARD_BYTES = 1 << 30  # weights per safetensors shard: process 0 holds at most 
 class VLLMServer:
     """A client of one `vllm serve`: checks it at start-up, generates for every process, pushes weights (process 0)."""
 
-    def __init__(self, args, accelerator, eos_token_ids, per_process: bool = False):
+    def __init__(self, args, accelerator, eos_token_ids, per_process: bool = False, model_config=None):
         """`per_process`: `generate` sends this process's prompts itself, with no collective call (the asynchronous
-        producer's thread); `push` stays collective."""
+        producer's thread); `push` stays collective. `model_config`: the policy's (a transformers config), checked
+        against the model the server serves (`check_served_model`) before any rollout."""
         self.args, self.accelerator, self.per_process = args, accelerator, per_process
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
         self.timeout = args.vllm_server_timeout
         self.is_main = accelerator is None or accelerator.is_main_process
-        self.model_id, self.context_window, failure = None, None, None
+        self.model_id, self.context_window, self.served, failure = None, None, {}, None
         if self.is_main or per_process:  # the processes that send requests (built on the main threads)
             try:
                 self.model_id = self.connect()
+                if model_config is not None:
+                    check_served_model(self.served, model_config, self.url)
             except Exception as error:  # every process stops with it (`stop_together`)
                 failure = error
         self._together(failure, "connecting to the vLLM server")
@@ -121,6 +124,7 @@ class VLLMServer:
                 self.args.vllm_group_port,
             )
         model = self.request("/v1/models")["data"][0]
+        self.served = model  # id (the served name), root (the path the server loaded), max_model_len
         self.context_window = model.get("max_model_len")  # for `check_not_cut`
         return model["id"]
 
@@ -220,6 +224,72 @@ class VLLMServer:
         box = [results]
         broadcast_object_list(box, from_process=0)
         return box[0][self.accelerator.process_index]
+
+
+SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "tie_word_embeddings",
+)  # fmt: skip
+"""The config entries that fix a causal LM's parameter names and shapes (of its text model)."""
+
+
+def check_served_model(served: dict[str, Any], config, url: str) -> None:
+    """Raise unless the server at `url` serves the policy whose transformers `config` is given: the weight push
+    would otherwise fail at the first reload, or worse, fit and sample from another model's tokens.
+
+    `served` is the server's `/v1/models` entry: `id` (its served name) and `root` (the path or Hub id it loaded).
+    The same name as the policy's `name_or_path` (or the same directory) passes; otherwise the server's config is
+    read from `root` (a Hub id from the cache, or a directory on a shared file system) and its `SHAPE_KEYS` compared
+    with the policy's: equal sizes pass (the same model under another name), different ones fail, naming them. A
+    server whose model cannot be read under another name fails too: `--served-model-name` says it is the same."""
+    mine = str(getattr(config, "_name_or_path", "") or "")
+    names = [name for name in (served.get("id"), served.get("root")) if name]
+    if mine and any(same_model_name(mine, name) for name in names):
+        return
+    theirs = served_config(served.get("root") or served.get("id"))
+    described = f"the vLLM server at {url} serves {' from '.join(dict.fromkeys(names)) or 'an unnamed model'}"
+    if theirs is None:
+        raise ValueError(
+            f"The policy is {mine or 'a model without a name_or_path'}, but {described}, whose config this machine "
+            "cannot read to compare. Start the server with the policy's model (`python -m grpo_hf.vllm_serve --model "
+            f"{mine or '<the policy path>'}`), or, if it is the same model under another path, add "
+            f"`--served-model-name {mine or '<name>'}` to its command."
+        )
+    ours, theirs = shape_entries(config), shape_entries(theirs)
+    different = {key: (ours[key], theirs[key]) for key in SHAPE_KEYS if ours[key] != theirs[key]}
+    if different:
+        listed = ", ".join(f"{key} {a!r} (server: {b!r})" for key, (a, b) in different.items())
+        raise ValueError(
+            f"The policy ({mine or 'unnamed'}) is not the model {described}: {listed}. Its weights cannot be "
+            "pushed to that server. Start the server with the policy's model (`python -m grpo_hf.vllm_serve "
+            f"--model {mine or '<the policy path>'}`), or point vllm_server_base_url at the server that serves it."
+        )
+    logger.info(f"{described}; the policy is {mine or 'unnamed'}: another name, the same parameter shapes.")
+
+
+def same_model_name(a: str, b: str) -> bool:
+    """Whether two `name_or_path`s name one model: equal strings, or directories that are one directory."""
+    if a.rstrip("/") == b.rstrip("/"):
+        return True
+    return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
+
+
+def served_config(name: str | None):
+    """The transformers config of the server's model, read where this machine can (None when it cannot)."""
+    if not name:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return None
+
+
+def shape_entries(config) -> dict[str, Any]:
+    """`SHAPE_KEYS` of a config's text model (a vision-language config holds it as its text config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {key: getattr(text, key, None) for key in SHAPE_KEYS}
 
 
 def on_this_machine(url: str) -> bool:

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node=2 tests/distributed/faults.py OUTPUT_DIR MODE
 
-MODE: reward_raises | reward_times_out | short_shard | sigkill (all on rank 1 only).
+MODE: reward_raises | reward_times_out | short_shard | sigkill (all on rank 1 only); resume: no fault, the run
+resumed from the newest complete checkpoint of OUTPUT_DIR.
 """
 
 import os
@@ -56,7 +57,14 @@ def main(output_dir: str, mode: str) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         trainer.add_callback(Die())
-    trainer.train()
+    if mode == "resume":  # the same run launched again after a fault: from the newest complete checkpoint
+        from grpo_hf.checkpoint import resolve_resume
+
+        print("resuming from", resolve_resume(True, output_dir), flush=True)
+        trainer.train(resume_from_checkpoint=True)
+        print("ended at step", trainer.state.global_step, flush=True)
+    else:
+        trainer.train()
     trainer.accelerator.end_training()
 
 
