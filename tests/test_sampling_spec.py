@@ -263,3 +263,23 @@ def test_the_engines_draw_through_the_stage(tokenizer, engine_name):
     for ids, prompt, mask in zip(completion_ids.tolist(), prompt_ids.tolist(), prompt_mask.tolist(), strict=True):
         real_prompt = {token for token, m in zip(prompt, mask, strict=True) if m}
         assert len(set(ids)) == len(ids) and not set(ids) & real_prompt and not set(ids) & set(suppressed)
+
+
+def test_refusals_name_the_setting_and_the_alternative():
+    """What each engine kind refuses, with and without a correction, and in tool episodes."""
+
+    def refusal(kind, corrected, multi_turn=False, **settings):
+        spec = SamplingSpec.from_config(_config(**settings), kind=kind)
+        return spec.refusal(corrected=corrected, multi_turn=multi_turn)
+
+    assert refusal("transformers", True, no_repeat_ngram_size=2, suppress_tokens=[3], repetition_penalty=1.1) is None
+    why = refusal("vllm", False, no_repeat_ngram_size=2)  # vLLM cannot sample it at all
+    assert "no_repeat_ngram_size" in why and "use_vllm=False" in why
+    assert refusal("vllm", True, repetition_penalty=1.1, top_k=5, min_p=0.1) is None
+    why = refusal("continuous_batching", False, bad_words_ids=[[3]], repetition_penalty=1.1)  # fails in transformers
+    assert "bad_words_ids" in why and "repetition_penalty" not in why and "rollout_engine='loop'" in why
+    assert "repetition_penalty" in refusal("continuous_batching", True, repetition_penalty=1.1)  # its own penalty
+    assert refusal("continuous_batching", False, repetition_penalty=1.1) is None
+    assert refusal("transformers", True, multi_turn=True, no_repeat_ngram_size=2) is None
+    assert "min_new_tokens" in refusal("transformers", True, multi_turn=True, min_new_tokens=2)
+    assert refusal("transformers", False, multi_turn=True, min_new_tokens=2) is None

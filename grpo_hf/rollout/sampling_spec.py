@@ -258,13 +258,18 @@ class SamplingSpec:
         if self.kind == "continuous_batching" and not corrected:  # what it applies its own way, uncorrected
             refused = [name for name in refused if name in _CRASHES_CONTINUOUS_BATCHING]
         if refused:
-            engine = "vLLM" if self.kind == "vllm" else "rollout_engine='continuous_batching'"
-            applies = "temperature, top_k, top_p, min_p" + (" and repetition_penalty" if self.kind == "vllm" else "")
-            return (
-                f"{engine} samples as the correction's replay describes it with {applies} only (or fails), and the "
-                f"generation settings set {', '.join(refused)}. Remove {'it' if len(refused) == 1 else 'them'} "
-                f"(generation_kwargs / GRPOConfig), or use {_ALTERNATIVES[self.kind]}."
-            )
+            named = f"the generation settings set {', '.join(refused)}"
+            if self.kind == "vllm":
+                why = f"vLLM samples with temperature, top_k, top_p, min_p and repetition_penalty only, and {named}"
+            else:
+                why = (
+                    "rollout_engine='continuous_batching' (transformers' continuous batching) fails on "
+                    "bad_words_ids and no_repeat_ngram_size and applies the other settings of the sampling stage its "
+                    "own way (the repetition penalty to each step's query tokens only), which the importance-sampling "
+                    f"correction cannot replay, and {named}"
+                )
+            it = "it" if len(refused) == 1 else "them"
+            return f"{why}. Remove {it} (generation_kwargs / GRPOConfig), or use {_ALTERNATIVES[self.kind]}."
         positional = [name for name in ("min_new_tokens", "begin_suppress_tokens") if name in self.stage_settings()]
         if corrected and multi_turn and positional:
             return (
