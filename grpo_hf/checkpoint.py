@@ -183,6 +183,20 @@ nor "failed" (anything else). 75 is sysexits.h's EX_TEMPFAIL ("try again later")
 `recipes/slurm/grpo.sbatch` requeues the job on it."""
 
 
+def nested_samplers(loader, depth: int = 6) -> list[Any]:
+    """Every sampler with a `set_epoch` under a data loader, through its `batch_sampler` / `sampler` wrappers."""
+    found, frontier = [], [loader]
+    for _ in range(depth):
+        frontier = [
+            child
+            for item in frontier
+            for child in (getattr(item, "batch_sampler", None), getattr(item, "sampler", None))
+            if child is not None and child is not item
+        ]
+        found += [child for child in frontier if hasattr(child, "set_epoch") and all(child is not f for f in found)]
+    return found
+
+
 class StopRequest:
     """SIGUSR1 (what a batch script asks SLURM to send before the time limit), SIGTERM (a scheduler's preemption
     notice) or a first Ctrl-C during `train`: finish the optimizer step, save a checkpoint and stop, instead of dying
@@ -291,6 +305,22 @@ class AtomicCheckpoints:
                 "saved: resume with trainer.train(resume_from_checkpoint=True)."
             )
         return output
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """Trainer's (accelerate's `skip_first_batches`), whose `set_epoch` (Trainer calls it next) reaches the sampler
+        however deep it sits. On several processes the skipped loader holds `SkipBatchSampler(BatchSamplerShard(
+        BatchSampler(sampler)))`, a level deeper than Trainer and accelerate look, so a run resumed inside epoch k >= 1
+        read that epoch's rest in epoch 0's prompt order. (Trainer calls this hook from transformers 5.2x on.)"""
+        skipped = super().get_resumed_dataloader(dataloader, num_batches)
+        set_epoch = skipped.set_epoch
+
+        def set_epoch_everywhere(epoch: int) -> None:
+            set_epoch(epoch)
+            for sampler in nested_samplers(skipped):
+                sampler.set_epoch(epoch)
+
+        skipped.set_epoch = set_epoch_everywhere
+        return skipped
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`; under FSDP with a sharded state dict, where Trainer writes nothing (checkpoints hold

@@ -4,7 +4,8 @@
         --master_port P tests/distributed/preempt.py MODEL_DIR SHARED_DIR PHASE
 
 Cases: the synchronous step, and the asynchronous producer at max_staleness=1; each trains the tiny model saved in
-MODEL_DIR for 5 steps, saving only when stopped (save_steps=500). PHASE `unbroken` runs each case to its end in
+MODEL_DIR for 5 steps on 8 prompts (an epoch is 2 steps: the stop lands in epoch 2, whose rest a resumed run must
+read in that epoch's order), saving only when stopped (save_steps=500). PHASE `unbroken` runs each case to its end in
 SHARED_DIR/<case>/unbroken; `stopped` runs it in SHARED_DIR/<case>/run, where process 1's reward function, during the
 rollout of step 3, sends SIGUSR1 to its own process (a stop that lands mid-rollout, on one process of two), once per
 output directory (a marker file there: the same command run again is not stopped); `resume` is the same command as
@@ -38,7 +39,7 @@ def stopping_reward(completions, trainer_state, **kwargs):
 
 
 def argv(model_dir: str, output_dir: Path, case: str) -> list[str]:
-    args = ["--model_name_or_path", model_dir, "--dataset_name", "builtin:arithmetic", "--num_train_examples", "40"]
+    args = ["--model_name_or_path", model_dir, "--dataset_name", "builtin:arithmetic", "--num_train_examples", "8"]
     args += ["--eval_before", "false", "--eval_after", "false", "--max_steps", "5", "--seed", "0"]
     args += ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8"]
     args += ["--learning_rate", "1e-2", "--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true"]
