@@ -105,7 +105,8 @@ class Objective:
         pi_old / pi_sampler [B, T] or [B, 1] and its metrics, or (None, {}) without the sampler's log-probs or with the
         correction off (`correction` None). Without old log-probs (no optimizer step since the rollout) pi_old is the
         current policy's, detached. Both under the distribution the sampler drew from: pi_old's replayed there
-        (`batch.old_sampling_logps`) where the sampling settings penalise or truncate (`sampling.SamplingReplay`)."""
+        (`batch.old_sampling_logps`) where the sampling settings penalise or truncate (`sampling.SamplingReplay`),
+        without old log-probs from the logits of the forward that gave `logps` (`logprobs.ProxReplay`)."""
         if self.correction is None or batch.sampling_logps is None:
             return None, {}
         old_logps = logps.detach() if batch.old_logps is None else batch.old_logps
