@@ -283,3 +283,31 @@ def test_refusals_name_the_setting_and_the_alternative():
     assert refusal("transformers", True, multi_turn=True, no_repeat_ngram_size=2) is None
     assert "min_new_tokens" in refusal("transformers", True, multi_turn=True, min_new_tokens=2)
     assert refusal("transformers", False, multi_turn=True, min_new_tokens=2) is None
+
+
+MODEL_STAGE = dict(suppress_tokens=list(range(40, 120)), sequence_bias=[[[i], 3.0] for i in range(3, 40)])
+
+
+@pytest.mark.parametrize("engine", ["loop", "generate", "continuous_batching"])
+def test_the_models_own_stage_settings_are_applied_once_and_replayed(tmp_path, monkeypatch, engine):
+    """Stage settings in the model's own `generation_config` (not generation_kwargs): each engine applies them once
+    (`generate` merges the model's config into the one it is given, where a setting is None: the spec's stage must be
+    the only one that runs; before, `sequence_bias` counted twice) and the replay reads them too, so every weight is 1
+    at learning_rate 0, and no completion holds a suppressed token; continuous batching refuses them, named."""
+    weights = _recording_weights(monkeypatch)
+    model = build_tiny_model(build_tiny_tokenizer(), seed=3)
+    for name, value in MODEL_STAGE.items():
+        setattr(model.generation_config, name, value)
+    settings = {**TRAINING, "max_steps": 2, "learning_rate": 0.0, "rollout_engine": engine, "max_staleness": 1}
+    if engine == "continuous_batching":
+        with pytest.raises(ValueError, match="continuous_batching.*sequence_bias, suppress_tokens"):
+            make_trainer(tiny_run_args(tmp_path, preset=settings), model=model)
+        return
+    trainer = make_trainer(tiny_run_args(tmp_path, preset=settings), model=model)
+    assert trainer.experience.replay.spec.stage_settings() == ["sequence_bias", "suppress_tokens"]
+    trainer.train()
+    logs = [row for row in train_logs(trainer) if row["async/staleness_max"] == 1.0]
+    assert len(logs) == 1
+    _assert_all_one(weights, logs, expected_batches=1)
+    sampled = torch.cat([batch.completion_ids[batch.completion_mask.bool()] for _, batch in weights])
+    assert sampled.numel() and not set(sampled.tolist()) & set(MODEL_STAGE["suppress_tokens"])

@@ -11,8 +11,10 @@ compile again, and past Dynamo's recompile limit generate's step runs uncompiled
 
 `generate` draws through the sampling spec (`sampling_spec.SamplingSpec`): its stage (repetition penalty, n-grams,
 bad words, biases, suppressed and blocked tokens) is the first logits processor, and the config `generate` gets has
-those settings off (`neutral_generation_config`), so `generate` applies only its warpers; what it samples is what
-the correction replays, on every transformers version.
+those settings off (`neutral_generation_config`), also where the model's own `generation_config` sets them (which
+`generate` merges into the config it is given, and which the spec reads: `StageOffConfig`), so `generate` applies only
+its warpers and each stage setting runs once; what it samples is what the correction replays, on every transformers
+version.
 
 Given `draws` (tool episodes, `episodes.EpisodeRunner`), each row draws its tokens from its own random stream instead
 of the global generator (`sampling.DrawFromStreams`, a logits processor that draws and leaves `generate` one token).

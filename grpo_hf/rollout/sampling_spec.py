@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -433,10 +434,28 @@ def _suffix_values(context, lead, entries, scores) -> torch.Tensor:
     return out
 
 
-def neutral_generation_config(generation_config, spec: SamplingSpec):
+class StageOffConfig(GenerationConfig):
+    """A `GenerationConfig` whose stage settings (`STAGE_SETTINGS`) the model's own `generation_config` cannot fill.
+
+    `model.generate` merges the model's `generation_config` into the one it is given: every setting that is None takes
+    the model's value (`GenerationMixin._prepare_generation_config`: `update(defaults_only=True)`, transformers 5.19 to
+    5.25). `sequence_bias` and `bad_words_ids` have no "off" value other than None (transformers' processors refuse an
+    empty one), so a model whose config sets them had `generate` apply them a second time, before the spec's stage,
+    which reads the model's config too (`resolve_sampling_settings`). The merge skips them here; an explicit update
+    (`defaults_only=False`) is left as it is."""
+
+    def update(self, defaults_only=False, allow_custom_entries=False, **kwargs):
+        if defaults_only:
+            kwargs = {name: value for name, value in kwargs.items() if name not in STAGE_SETTINGS}
+        return super().update(defaults_only=defaults_only, allow_custom_entries=allow_custom_entries, **kwargs)
+
+
+def neutral_generation_config(generation_config, spec: SamplingSpec) -> StageOffConfig:
     """A copy of `generation_config` for `model.generate` with every stage setting off (`STAGE_SETTINGS`: the
-    engine applies the spec's `Stage` instead) and the spec's top_k, so that `generate` applies the warpers only."""
-    config = copy.copy(generation_config)
+    engine applies the spec's `Stage` instead), also where the model's `generation_config` sets them
+    (`StageOffConfig`), and the spec's top_k, so that `generate` applies the warpers only."""
+    config = StageOffConfig.__new__(StageOffConfig)
+    config.__dict__.update(copy.copy(generation_config).__dict__)
     for name, neutral in STAGE_SETTINGS.items():
         setattr(config, name, copy.copy(neutral))
     config.top_k = spec.top_k
