@@ -11,6 +11,7 @@ One rollout of config (a) of `benchmarks/vs_trl.py` (16 completions, up to 128 t
   difference says whether the extra forward changes the correction.
 
     python benchmarks/vllm_sync.py            # needs vllm (make install-vllm: .venv-vllm/bin/python)
+    python benchmarks/vllm_sync.py --tiny --pushes 1   # config (a)'s tiny model and 1/16 of its tokens: a check
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import _worker  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="_worker's tiny model and tokens")
     args = parser.parse_args()
     import torch
 
@@ -37,7 +39,8 @@ def main() -> None:
     from grpo_hf.logprobs import completion_logps
 
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = _worker.build_trainer("grpo_hf", "a", 1, 0, "cpu", output_dir, {"use_vllm": True})
+        extra = {"use_vllm": True}
+        trainer = _worker.build_trainer("grpo_hf", "a", 1, 0, "cpu", output_dir, extra, tiny=args.tiny)
         inputs = next(iter(trainer.get_train_dataloader()))
         metrics, G = trainer._metrics["train"], trainer.args.num_generations
         batch = trainer.experience.rollout_round(inputs, G, metrics)  # one rollout: starts vLLM, pushes, samples
@@ -46,7 +49,7 @@ def main() -> None:
         mask = batch.completion_mask.bool()
         with torch.no_grad():
             old_logps = trainer.logps.no_grad(model, batch)  # [B, T] the no-grad forward
-        kwargs = trainer.logps.kwargs(model)
+        kwargs = trainer.logps.kwargs(trainer.logps.plan(model, batch))  # the training forward's path, no replay
         logps, _ = completion_logps(model, batch, share_prefix=kwargs.pop("share_prefix"), **kwargs)  # with grad
         logps = logps.detach()
     sampling = batch.sampling_logps

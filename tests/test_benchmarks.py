@@ -175,3 +175,14 @@ def test_the_multi_turn_benchmark_prints_both_arms_their_ratios_and_the_targets(
     assert sum(line.startswith("target: ") for line in lines) == 3  # prefill tokens, prefill positions, time
     assert any(line.startswith("same tokens, seed 0: ") and line.endswith("/2 episodes") for line in lines)
     assert "system block" in lines[0] and any("episode cache, seed 0: {" in line for line in lines)
+
+
+@pytest.mark.vllm
+def test_the_vllm_sync_benchmark_measures_a_tiny_model():
+    """benchmarks/vllm_sync.py --tiny (in .venv-vllm): one vLLM rollout, one push, and the log-prob gaps, the training
+    forward's path taken from its `ForwardPlan` (the script passed the model where the plan goes, and failed)."""
+    result = run_script("benchmarks/vllm_sync.py", "--tiny", "--pushes", "1", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout[result.stdout.index("{\n") :])
+    assert record["completion_tokens"] > 0 and len(record["push_seconds"]) == 1
+    assert record["vllm_vs_old_logps"]["max"] < 1e-4 and record["old_vs_training_logps"]["max"] < 1e-4
