@@ -311,3 +311,15 @@ def test_the_models_own_stage_settings_are_applied_once_and_replayed(tmp_path, m
     _assert_all_one(weights, logs, expected_batches=1)
     sampled = torch.cat([batch.completion_ids[batch.completion_mask.bool()] for _, batch in weights])
     assert sampled.numel() and not set(sampled.tolist()) & set(MODEL_STAGE["suppress_tokens"])
+
+
+def test_vllm_refuses_the_models_own_stage_settings(tokenizer):
+    """vLLM applies no stage setting but the penalty, whoever sets it: the model's own `generation_config` too (vLLM
+    is given every sampling setting by the trainer, and never reads the model's), refused with or without a
+    correction, named."""
+    model = build_tiny_model(tokenizer)
+    for name, value in MODEL_STAGE.items():
+        setattr(model.generation_config, name, value)
+    spec = SamplingSpec.of(model, _config(max_new_tokens=4), kind="vllm")
+    for corrected in (False, True):
+        assert "sequence_bias, suppress_tokens" in spec.refusal(corrected=corrected)
