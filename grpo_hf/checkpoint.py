@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from grpo_hf.parallel import name_lost_peers, start_heartbeat
+from grpo_hf.parallel import name_lost_peers, start_heartbeat, watching_peers
 from grpo_hf.trainer_hooks import check_trainer_hooks
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class AtomicCheckpoints:
         if resume is not None:
             self._load_run_state(resume, self._saved_run_state(resume))
         start_heartbeat(self.accelerator)  # so that a process that dies without a word is named by the others
-        with self.stop_request:
+        with self.stop_request, watching_peers(self.args.fault_timeout):  # a silent peer ends this process
             try:
                 output = super().train(
                     resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs

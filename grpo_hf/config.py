@@ -510,6 +510,16 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "naming the cause; 'skip_step' drops that optimizer step's update (logged as nonfinite/skipped_steps)."
         },
     )
+    fault_timeout: float | None = field(
+        default=120.0,
+        metadata={
+            "help": "In a multi-process run, how many seconds each training process waits for a peer whose "
+            "heartbeat stopped (killed, its node lost, hung), or for the launcher's store on the main node, before "
+            "it exits with code 69, naming that peer (node, host, pid). Independent of ddp_timeout, which bounds one "
+            "collective and should stay long (checkpoint saves, weight pushes). `None`: no watchdog "
+            "(docs/distributed.md)."
+        },
+    )
 
     # ---- logging ----------------------------------------------------------------------------------
     log_completions: bool = field(
@@ -672,6 +682,11 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         """The reward timeout, the log-prob chunk size, the rollout engine (and its aliases) and vLLM's fields."""
         if self.reward_timeout is not None and self.reward_timeout <= 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (or None for no limit).")
+        if self.fault_timeout is not None and not self.fault_timeout >= 10:
+            raise ValueError(
+                f"fault_timeout={self.fault_timeout} must be >= 10 seconds (how long a silent peer process is waited "
+                "for; processes beat every 2 s), or None for no watchdog."
+            )
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1.")
         if not self.episode_cache_gb >= 0:

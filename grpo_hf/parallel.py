@@ -9,8 +9,10 @@ divided by their number, with a missing gradient counted as zero), in buckets so
 A process that fails alone leaves the others waiting in their next collective. `stop_together` makes a failure in
 user code (a reward function) stop every process with the same message; `check_same_dataset` catches, before the
 first step, a dataset that differs between processes. A process that dies without a word (SIGKILL, a lost node) is
-named by the others after their collective fails: each process beats in the launcher's store (`Heartbeat`), and
-`name_lost_peers` says whose heartbeat stopped.
+named by the others, and ends them within `fault_timeout` seconds, however long the collective timeout: each process
+beats in the launcher's store from a thread (`Heartbeat`), and inside `train` the same thread ends the process when a
+peer's heartbeat, or the store, has been silent that long (`PeerWatch`, `watching_peers`); after a collective fails
+sooner, `name_lost_peers` says whose heartbeat stopped.
 
 Under FSDP2 the reference model is sharded like the policy, one decoder layer per shard unit
 (`prepare_reference`), and generation gathers each of the policy's units once per rollout, not once per token
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -107,23 +110,108 @@ def this_machine() -> str:
 
 
 HEARTBEAT_S = 2.0  # how often each process says it is alive
+PEER_LOST_EXIT_CODE = 69  # sysexits' EX_UNAVAILABLE: a process ended itself because a peer or the main node is gone
 _LOST_LINK = re.compile(r"connection (closed|reset|refused)|by peer|timed? ?out|broken pipe|aborted", re.IGNORECASE)
 
 
+class PeerWatch:
+    """The watchdog's judgement, apart from its thread and its clock: which peers stopped beating, for how long.
+
+    Each `check(store, now)` reads every process's heartbeat counter and its `training` count (how many `train` calls
+    it is inside, see `Heartbeat.watching`) in one `multi_get`. A peer is judged only while it is training: one that
+    has not started yet, or has left `train` (the normal end, which processes reach at slightly different times), is
+    not dead, however old its last beat. A training peer whose counter has not moved for more than `bound` seconds
+    is named; so is the store, when it has not answered for more than `bound` seconds (it lives on the main node)."""
+
+    def __init__(self, rank: int, world_size: int, bound: float, where: str):
+        self.rank, self.world_size, self.bound, self.where = rank, world_size, bound, where
+        self.moved: dict[int, tuple[int, float]] = {}  # peer -> (its counter, when it last changed)
+        self.answered_at: float | None = None
+        self.keys: list[str] = []
+
+    def check(self, store, now: float) -> str:
+        """'' while every training peer beats; else a line naming the silent peers (node, host, pid), or the store."""
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        try:
+            if not self.keys:  # made once (`add` 0 creates a missing key), so that multi_get never waits for one
+                keys = [f"grpo_hf/{kind}/{rank}" for rank in peers for kind in ("training", "beat")]
+                for key in keys:
+                    store.add(key, 0)
+                self.keys = keys
+            values = [int(value) for value in store.multi_get(self.keys)]
+        except Exception as error:
+            self.moved.clear()  # nobody could beat meanwhile: once the store answers again, every count starts over
+            self.answered_at = now if self.answered_at is None else self.answered_at
+            if now - self.answered_at <= self.bound:
+                return ""
+            return (
+                f"{self.where} has not answered for {now - self.answered_at:.0f} s ({type(error).__name__}): the main "
+                "node is gone, or its launcher."
+            )
+        self.answered_at = None
+        silent = []
+        for rank, training, beat in zip(peers, values[0::2], values[1::2], strict=True):
+            if training <= 0:  # not started, or ended cleanly: not watched
+                self.moved.pop(rank, None)
+                continue
+            count, since = self.moved.get(rank, (None, now))
+            since = now if beat != count else since
+            self.moved[rank] = (beat, since)
+            if now - since > self.bound:
+                silent.append(rank)
+        if not silent:
+            return ""
+        quiet = max(now - self.moved[rank][1] for rank in silent)
+        return (
+            f"{'; '.join(self.name(store, rank) for rank in silent)}: no heartbeat for {quiet:.0f} s (fault_timeout="
+            f"{self.bound:g} s), so gone (killed, or its node lost) or hung."
+        )
+
+    @staticmethod
+    def name(store, rank: int) -> str:
+        try:
+            return f"process {rank} on {store.get(f'grpo_hf/who/{rank}').decode()}"
+        except Exception:
+            return f"process {rank}"
+
+
+def end_this_process(problem: str) -> None:
+    """Log `problem` (a peer is gone) and end this process with `PEER_LOST_EXIT_CODE`, now: the main thread may be
+    inside a collective that will not return for `ddp_timeout` (or ever), so no exception could reach it."""
+    logger.error(
+        f"A process of this run is gone: {problem} This process exits with code {PEER_LOST_EXIT_CODE} now, without "
+        "waiting for its collective to time out: relaunch the job to resume from its last checkpoint."
+    )
+    with contextlib.suppress(Exception):
+        logging.shutdown()  # flushes every handler
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(PEER_LOST_EXIT_CODE)
+
+
 class Heartbeat:
-    """Which processes are still there, once a collective failed: a process killed without a word (SIGKILL, a lost
-    node) leaves the others with an error that names an address at best (gloo: `Connection closed by peer
-    [10.0.0.2]:41234`), or none (a timeout).
+    """Which processes are still there: a process killed without a word (SIGKILL, a lost node) or hung leaves the
+    others waiting in a collective until `ddp_timeout` (30 min by default), then with an error that names an address
+    at best (gloo: `Connection closed by peer [10.0.0.2]:41234`), or none (a timeout).
 
     Each process of a multi-process run writes who it is (`node N (host)`, its pid) into the launcher's key-value store
     (torchrun's, at MASTER_ADDR:MASTER_PORT; the one the process group was made with) and, from a daemon thread, adds 1
     to its own counter there every `HEARTBEAT_S` seconds; the thread only talks to the store, never joins a collective,
-    and ends quietly when the store is gone. After a failure, `lost()` reads every counter twice, `wait_s` apart: the
-    processes whose counter did not move are gone (or hung), and are named. A store that does not answer is itself the
-    news: it lives on the main node, which is then gone."""
+    and beats on while the main thread saves a checkpoint or waits in a collective (gloo's and NCCL's waits release
+    the GIL). While `watching` (inside `train`), the same thread is the watchdog: every `bound / 12` seconds (at least
+    every beat) a `PeerWatch` reads the peers' counters, and when one has not moved for `fault_timeout` seconds, or the
+    store has not answered for as long, `end_this_process` names it and exits. So a dead peer is noticed within
+    `fault_timeout` (plus a check's interval, and the store's 10 s timeout when the main node vanished without closing
+    its connections), however long `ddp_timeout` is, and healthy waits longer than that bound survive.
+
+    After a collective failed (gloo notices a peer whose connection closed at once), `lost()` reads every counter
+    twice, `wait_s` apart, to name who is gone before that."""
 
     def __init__(self, rank: int, world_size: int, address: str, port: int, period: float = HEARTBEAT_S):
         self.rank, self.world_size, self.address, self.port, self.period = rank, world_size, address, port, period
+        self.where = f"the launcher's store at {address}:{port} (on the main node, machine rank 0)"
+        self.watch: PeerWatch | None = None
         self.store = self._connect()
         self.store.set(f"grpo_hf/who/{rank}", f"{this_machine()}, pid {os.getpid()}")
         import threading
@@ -140,19 +228,40 @@ class Heartbeat:
     def _beat(self) -> None:
         import time
 
+        next_check = 0.0
         while True:
-            try:
+            with contextlib.suppress(Exception):  # a store that does not answer: the watch counts for how long
                 self.store.add(f"grpo_hf/beat/{self.rank}", 1)
-            except Exception:  # the store is gone: `lost` says so
-                return
+            watch = self.watch
+            if watch is not None and time.monotonic() >= next_check:
+                problem = watch.check(self.store, time.monotonic())
+                next_check = time.monotonic() + max(self.period, watch.bound / 12)
+                if problem and self.watch is watch:  # still watching: not at the end of train meanwhile
+                    end_this_process(problem)
             time.sleep(self.period)
+
+    @contextlib.contextmanager
+    def watching(self, fault_timeout: float) -> Iterator[None]:
+        """Inside the block this process counts as training (its `training` count in the store is up by 1, so the
+        others judge its heartbeat) and watches the training peers; at its end (the normal end of `train`, or an
+        error) it stops watching, then says so, before the process group is torn down."""
+        try:
+            self.store.add(f"grpo_hf/training/{self.rank}", 1)
+        except Exception as error:  # the others will not judge this process; it still watches them
+            logger.warning(f"{self.where} did not answer ({type(error).__name__}: {error}) at the start of training.")
+        self.watch = PeerWatch(self.rank, self.world_size, fault_timeout, self.where)
+        try:
+            yield
+        finally:
+            self.watch = None
+            with contextlib.suppress(Exception):  # the store may be gone with the main node
+                self.store.add(f"grpo_hf/training/{self.rank}", -1)
 
     def lost(self, wait_s: float | None = None) -> str:
         """One line naming the processes (node, host, pid) whose heartbeat stopped, or the store that went."""
         import time
 
         wait_s = 3 * self.period if wait_s is None else wait_s
-        where = f"the launcher's store at {self.address}:{self.port} (on the main node, machine rank 0)"
         try:
             store = self._connect()  # a connection of its own: the beating thread's may be mid-call
             before = [store.add(f"grpo_hf/beat/{rank}", 0) for rank in range(self.world_size)]
@@ -161,7 +270,7 @@ class Heartbeat:
             silent = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
             names = [f"process {r} on {store.get(f'grpo_hf/who/{r}').decode()}" for r in silent]
         except Exception as error:
-            return f"{where} does not answer ({type(error).__name__}): the main node is gone, or its launcher."
+            return f"{self.where} does not answer ({type(error).__name__}): the main node is gone, or its launcher."
         if not names:
             return ""
         return f"{'; '.join(names)}: no heartbeat for {wait_s:g} s, so gone (killed, or its node lost) or hung."
@@ -181,6 +290,14 @@ def start_heartbeat(accelerator) -> None:
         _HEARTBEAT = Heartbeat(accelerator.process_index, accelerator.num_processes, address, port)
     except Exception as error:
         logger.warning(f"No heartbeat (a dead peer will not be named): {type(error).__name__}: {error}")
+
+
+def watching_peers(fault_timeout: float | None) -> contextlib.AbstractContextManager:
+    """The heartbeat's watchdog for the block (`Heartbeat.watching`): a peer silent for `fault_timeout` seconds ends
+    this process; nothing with one process, without a heartbeat, or with `fault_timeout` None."""
+    if _HEARTBEAT is None or fault_timeout is None:
+        return contextlib.nullcontext()
+    return _HEARTBEAT.watching(fault_timeout)
 
 
 def name_lost_peers(error: BaseException) -> str:

@@ -8,10 +8,12 @@ and a per-node step guarded by the global rank is missing on node 1. On one mach
 nothing runs twice. Two launches of the script (about 40 s each here) serve every test.
 """
 
+import contextlib
 import http.server
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -176,14 +178,14 @@ def test_per_node_state_is_made_once_per_node(one_machine, two_machines):
 
 
 FAULTS = Path(__file__).parent / "distributed" / "faults.py"
-FAULT_BOUND_S = 150  # as tests/test_faults.py: the script sets ddp_timeout=60 s
+FAULT_BOUND_S = 150  # the script sets ddp_timeout=600 s: ending sooner is the heartbeat's doing (fault_timeout=10 s)
 MACHINE_FAULTS = {
     # stop_together names the process and, the job spanning two machines, its node and host
     "reward_raises": r"Failed while computing rewards on 1 of 2 processes \(process 1 on node 1 \([^)]+\): "
     r".*answer key is missing",
     # a process gone without a word: its heartbeat stopped, so machine 0 names its process, node, host and pid (gloo
     # names an address only); the launcher of machine 1 names its rank and signal
-    "sigkill": r"a process of this run is gone: process 1 on node 1 \([^)]+\), pid \d+: no heartbeat for 6 s",
+    "sigkill": r"a process of this run is gone: process 1 on node 1 \([^)]+\), pid \d+: no heartbeat for \d+ s",
 }
 
 
@@ -201,6 +203,37 @@ def test_a_failure_on_machine_1_stops_machine_0_naming_it(tmp_path, mode):
             -3000:
         ]
         relaunch_resumes_from_the_last_complete_checkpoint(tmp_path)
+
+
+def test_a_hung_process_on_machine_1_ends_machine_0_within_fault_timeout(tmp_path):
+    """Machine 1's process stops (SIGSTOP at the start of step 3: hung, its connections open, as when a node is lost
+    without a word), so machine 0 waits in a collective whose timeout is 600 s. Its heartbeat's watchdog ends it
+    within fault_timeout (10 s) and the check after it, with exit code 69 and a line naming the silent process."""
+    from grpo_hf.parallel import PEER_LOST_EXIT_CODE
+
+    port, args = free_port(), [str(FAULTS), str(tmp_path / "run"), "sigstop"]
+    machines = [launch(tmp_path / f"node{rank}", 2, rank, 1, port, args) for rank in (0, 1)]
+    start = time.monotonic()
+    try:
+        out, err = machines[0].communicate(timeout=FAULT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        machines[0].kill()
+        out, err = machines[0].communicate()
+    seconds = time.monotonic() - start
+    for pid in set(re.findall(r"process 1 on node 1 \([^)]+\), pid (\d+)", out + err)):  # the stopped process
+        with contextlib.suppress(ProcessLookupError):  # (else its reaper kills it after 120 s)
+            os.kill(int(pid), signal.SIGKILL)
+    machines[1].kill()
+    machines[1].communicate()
+    output = out + err
+    print(f"machine 0 exited {seconds:.1f} s after the launch:", *re.findall(r"no heartbeat for \d+ s", output))
+    assert machines[0].returncode != 0 and seconds < FAULT_BOUND_S
+    assert re.search(
+        r"A process of this run is gone: process 1 on node 1 \([^)]+\), pid \d+: no heartbeat for \d+ s "
+        r"\(fault_timeout=10 s\)",
+        output,
+    ), output[-4000:]
+    assert re.search(rf"exitcode\s*: {PEER_LOST_EXIT_CODE}\b", err), err[-3000:]
 
 
 def relaunch_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:

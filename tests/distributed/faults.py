@@ -2,12 +2,16 @@
 
     python -m torch.distributed.run --nproc_per_node=2 tests/distributed/faults.py OUTPUT_DIR MODE
 
-MODE: reward_raises | reward_times_out | short_shard | sigkill (all on rank 1 only); resume: no fault, the run
-resumed from the newest complete checkpoint of OUTPUT_DIR.
+MODE: reward_raises | reward_times_out | short_shard | sigkill | sigstop (all on rank 1 only; sigstop: the process
+hangs, its connections open, as on a node that is lost without a word); resume: no fault, the run resumed from the
+newest complete checkpoint of OUTPUT_DIR, rank 0 lingering in train for 15 s at its end (rank 1, gone by then, ended
+cleanly: not dead). The collective timeout is long (ddp_timeout=600 s) and the heartbeat's bound short
+(fault_timeout=10 s): a silent process must be noticed by the heartbeat, not by a collective.
 """
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,22 +47,36 @@ def main(output_dir: str, mode: str) -> None:
         save_strategy="steps",
         save_steps=1,
         reward_timeout=5 if mode == "reward_times_out" else None,
-        ddp_timeout=60,
+        ddp_timeout=600,
+        fault_timeout=10,
         use_cpu=True,
         disable_tqdm=True,
         seed=0,
     )
     trainer = make_trainer(args, reward, dataset)
-    if mode == "sigkill" and RANK == 1:
+    if mode in ("sigkill", "sigstop") and RANK == 1:
 
         class Die(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                if state.global_step == 2:
+                if state.global_step == 2 and mode == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if state.global_step == 2 and mode == "sigstop":  # a reaper, in case nobody kills it
+                    reaper = f"sleep 120; kill -9 {os.getpid()}"
+                    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # not the launcher's pipes
+                    subprocess.Popen(["sh", "-c", reaper], start_new_session=True, **quiet)
+                    os.kill(os.getpid(), signal.SIGSTOP)
 
         trainer.add_callback(Die())
     if mode == "resume":  # the same run launched again after a fault: from the newest complete checkpoint
         from grpo_hf.checkpoint import resolve_resume
+
+        if RANK == 0:  # still inside train well after rank 1 left it and exited: rank 1 is done, not dead
+
+            class Linger(TrainerCallback):
+                def on_train_end(self, args, state, control, **kwargs):
+                    time.sleep(args.fault_timeout + 5)
+
+            trainer.add_callback(Linger())
 
         print("resuming from", resolve_resume(True, output_dir), flush=True)
         trainer.train(resume_from_checkpoint=True)
