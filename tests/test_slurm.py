@@ -128,13 +128,15 @@ def test_the_last_node_serves_the_first_trains_as_main(rendered):
 
 
 def test_a_dead_node_ends_the_job_and_each_node_logs_apart(rendered):
-    """The training step ends when a task fails, FAULT_TIMEOUT_S after the first ends at most; the rendezvous and the
-    collectives time out after as long; each node's output goes to its own labelled log, the server's too."""
+    """The training step ends when a task fails, FAULT_TIMEOUT_S after the first ends at most; the rendezvous times out
+    and the heartbeat's watchdog ends a silent peer's survivors after as long (the collectives keep their long
+    timeout); each node's output goes to its own labelled log, the server's too."""
     calls, _, tmp = rendered
     server, training = steps(calls)
     assert {"--kill-on-bad-exit=1", "--wait=120"} <= set(training["argv"])
     launch = training["argv"][training["argv"].index("recipes/slurm/train_node.sh") + 1 :]
     assert flag(launch, "--rdzv_backend") == "static" and flag(launch, "--rdzv_conf") == "timeout=120"
+    assert flag(launch, "--fault_timeout") == "120" and flag(launch, "--ddp_timeout") == "1800"
     for step in (server, training):
         assert {"--label", f"--output={tmp / 'logs'}/%x-%j-%n.out", "--open-mode=append"} <= set(step["argv"])
     assert (tmp / "logs").is_dir()
@@ -160,7 +162,8 @@ def test_the_server_address_reaches_grpo_config(rendered, monkeypatch):
     assert config.vllm_server_weights_dir == str(tmp / "weights") and (tmp / "weights").is_dir()
     assert script_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"  # the server's model, from the YAML
     assert config.output_dir == str(tmp / "out")
-    assert config.resume_from_checkpoint is True and config.ddp_timeout == 120  # resumes by itself; a bounded wait
+    assert config.resume_from_checkpoint is True  # resumes by itself
+    assert config.fault_timeout == 120 and config.ddp_timeout == 1800  # a dead peer: the heartbeat, not a collective
     script_args, config = recipe.parse_args([*recipe_argv, "--bf16", "false", "--resume_from_checkpoint", "false"])
     assert config.resume_from_checkpoint is None  # the user's own choice comes after, and wins
 
