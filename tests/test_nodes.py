@@ -239,7 +239,8 @@ def test_a_hung_process_on_machine_1_ends_machine_0_within_fault_timeout(tmp_pat
 def relaunch_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
     """After the SIGKILL at the start of step 3: checkpoint-2 is the newest complete one. A checkpoint-3 half-written
     by grpo_hf (.saving/) and one without weights (another tool's, or older grpo_hf's) are left too: the same run
-    launched again resumes from checkpoint-2 and trains to its end."""
+    launched again resumes from checkpoint-2 and trains to its end, although process 0 waits longer than
+    fault_timeout twice (faults.py): the watchdog ends no healthy process."""
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     (run / ".saving" / "checkpoint-3").mkdir(parents=True)

@@ -4,9 +4,10 @@
 
 MODE: reward_raises | reward_times_out | short_shard | sigkill | sigstop (all on rank 1 only; sigstop: the process
 hangs, its connections open, as on a node that is lost without a word); resume: no fault, the run resumed from the
-newest complete checkpoint of OUTPUT_DIR, rank 0 lingering in train for 15 s at its end (rank 1, gone by then, ended
-cleanly: not dead). The collective timeout is long (ddp_timeout=600 s) and the heartbeat's bound short
-(fault_timeout=10 s): a silent process must be noticed by the heartbeat, not by a collective.
+newest complete checkpoint of OUTPUT_DIR, rank 0 sleeping 12 s at the start of step 3 (rank 1 waits in a
+collective, beating) and 12 s at the end of train (rank 1, gone by then, ended cleanly: not dead). The collective
+timeout is long (ddp_timeout=600 s) and the heartbeat's bound short (fault_timeout=10 s): a silent process must be
+noticed by the heartbeat, not by a collective, and healthy waits longer than the bound must not end a process.
 """
 
 import os
@@ -70,11 +71,15 @@ def main(output_dir: str, mode: str) -> None:
     if mode == "resume":  # the same run launched again after a fault: from the newest complete checkpoint
         from grpo_hf.checkpoint import resolve_resume
 
-        if RANK == 0:  # still inside train well after rank 1 left it and exited: rank 1 is done, not dead
+        if RANK == 0:  # two healthy waits longer than fault_timeout: neither may end a process
 
             class Linger(TrainerCallback):
-                def on_train_end(self, args, state, control, **kwargs):
-                    time.sleep(args.fault_timeout + 5)
+                def on_step_begin(self, args, state, control, **kwargs):
+                    if state.global_step == 2:  # rank 1 waits in its next collective meanwhile, and beats
+                        time.sleep(args.fault_timeout + 2)
+
+                def on_train_end(self, args, state, control, **kwargs):  # rank 1 left train and exits: done, not dead
+                    time.sleep(args.fault_timeout + 2)
 
             trainer.add_callback(Linger())
 
