@@ -216,7 +216,12 @@ class Heartbeat:
         self.store.set(f"grpo_hf/who/{rank}", f"{this_machine()}, pid {os.getpid()}")
         import threading
 
+        self.closed = threading.Event()
         threading.Thread(target=self._beat, name="grpo_hf-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop beating (the others then judge this process only while it is inside `watching`)."""
+        self.closed.set()
 
     def _connect(self):
         import datetime
@@ -229,16 +234,20 @@ class Heartbeat:
         import time
 
         next_check = 0.0
-        while True:
+        while not self.closed.is_set():
             with contextlib.suppress(Exception):  # a store that does not answer: the watch counts for how long
                 self.store.add(f"grpo_hf/beat/{self.rank}", 1)
             watch = self.watch
             if watch is not None and time.monotonic() >= next_check:
-                problem = watch.check(self.store, time.monotonic())
+                try:
+                    problem = watch.check(self.store, time.monotonic())
+                except Exception as error:  # a bug here must not stop the beats: the others would take this for dead
+                    logger.warning(f"The heartbeat's watchdog failed ({type(error).__name__}: {error}); it goes on.")
+                    problem = ""
                 next_check = time.monotonic() + max(self.period, watch.bound / 12)
                 if problem and self.watch is watch:  # still watching: not at the end of train meanwhile
                     end_this_process(problem)
-            time.sleep(self.period)
+            self.closed.wait(self.period)
 
     @contextlib.contextmanager
     def watching(self, fault_timeout: float) -> Iterator[None]:

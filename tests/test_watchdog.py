@@ -117,6 +117,7 @@ def test_the_heartbeat_thread_watches_only_inside_watching_and_ends_the_process(
     with heartbeat.watching(0.05):
         assert store.values["grpo_hf/training/0"] == b"1"
         assert ended.wait(10)
+    heartbeat.close()
     assert store.values["grpo_hf/training/0"] == b"0"
     assert problems[0].startswith("process 1 on node 1 (gpu-1), pid 101; process 2 on node 2 (gpu-2), pid 102: ")
     assert int(store.values["grpo_hf/beat/0"]) > 1  # it beat all along
@@ -129,3 +130,18 @@ def test_fault_timeout_is_checked():
         with pytest.raises(ValueError, match=f"fault_timeout={value} must be >= 10 seconds"):
             GRPOConfig(output_dir="/tmp/x", use_cpu=True, fault_timeout=value)
     assert GRPOConfig(output_dir="/tmp/x", use_cpu=True, fault_timeout=None).fault_timeout is None
+
+
+def test_a_failing_watchdog_keeps_beating(monkeypatch, caplog):
+    """An error inside the watch is logged and the beats go on: a thread that died would look dead to the others."""
+    store = three_processes()
+    monkeypatch.setattr(parallel.Heartbeat, "_connect", lambda self: store)
+    monkeypatch.setattr(PeerWatch, "check", lambda self, store, now: 1 / 0)
+    heartbeat = parallel.Heartbeat(0, 3, "10.0.0.1", 29500, period=0.01)
+    with caplog.at_level("WARNING", logger="grpo_hf"), heartbeat.watching(10):
+        time.sleep(0.2)
+        before = int(store.values["grpo_hf/beat/0"])
+        time.sleep(0.2)
+        assert int(store.values["grpo_hf/beat/0"]) > before
+    heartbeat.close()
+    assert "The heartbeat's watchdog failed (ZeroDivisionError" in caplog.text
