@@ -291,19 +291,22 @@ def _same(before, now) -> bool:
     return before == now
 
 
-def _repeatable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
-    """The classes of `SELECTABLE` that pass `_check_layer_class`, and {class name: why not} for the others (logged:
-    models with such layers then train with the padded forward)."""
-    problems = {cls.__name__: reason for cls in SELECTABLE if (reason := _check_layer_class(cls)) is not None}
+def _passing_classes(check, cannot: str, instead: str) -> tuple[tuple[type, ...], dict[str, str]]:
+    """The classes of `SELECTABLE` that pass `check` (class -> why not, or None), and {class name: why not} for the
+    others, each logged once: what grpo_hf `cannot` do with its layers, and what models with them do `instead`."""
+    problems = {cls.__name__: reason for cls in SELECTABLE if (reason := check(cls)) is not None}
     for name, reason in problems.items():
         logger.warning(
-            "transformers %s: grpo_hf's shared-prompt forward cannot repeat %s cache layers (%s); models with them "
-            "use the padded forward",
-            transformers.__version__,
-            name,
-            reason,
+            "transformers %s: %s %s cache layers (%s); %s", transformers.__version__, cannot, name, reason, instead
         )
     return tuple(cls for cls in SELECTABLE if cls.__name__ not in problems), problems
+
+
+def _repeatable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
+    """`_passing_classes` of `_check_layer_class`: models with a failing class train with the padded forward."""
+    return _passing_classes(
+        _check_layer_class, "grpo_hf's shared-prompt forward cannot repeat", "models with them use the padded forward"
+    )
 
 
 REPEATABLE, LAYER_PROBLEMS = _repeatable_classes()
@@ -481,18 +484,13 @@ def _check_joinable(cls: type) -> str | None:
 
 
 def _joinable_classes() -> tuple[tuple[type, ...], dict[str, str]]:
-    """The classes of `SELECTABLE` that pass `_check_joinable`, and {class name: why not} for the others (logged:
-    tool episodes on models with such layers then prefill every turn's whole context)."""
-    problems = {cls.__name__: reason for cls in SELECTABLE if (reason := _check_joinable(cls)) is not None}
-    for name, reason in problems.items():
-        logger.warning(
-            "transformers %s: the loop engine cannot keep a row's %s cache layers between turns (%s); tool episodes "
-            "on models with them prefill every turn's whole context",
-            transformers.__version__,
-            name,
-            reason,
-        )
-    return tuple(cls for cls in SELECTABLE if cls.__name__ not in problems), problems
+    """`_passing_classes` of `_check_joinable`: tool episodes on models with a failing class prefill every turn's
+    whole context."""
+    return _passing_classes(
+        _check_joinable,
+        "between turns, the loop engine cannot keep a row's",
+        "tool episodes on models with them prefill every turn's whole context",
+    )
 
 
 JOINABLE, JOIN_PROBLEMS = _joinable_classes()

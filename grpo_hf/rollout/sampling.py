@@ -29,6 +29,7 @@ from grpo_hf.core import CHUNK_ELEMENTS, prompt_runs
 from grpo_hf.rollout.sampling_spec import (  # noqa: F401 (resolve_sampling_settings, GENERATE_SKIPS_PADDING: here too)
     _SAMPLING_DEFAULTS,
     GENERATE_SKIPS_PADDING,
+    NEUTRAL_SETTINGS,
     STAGE_SETTINGS,
     SamplingSpec,
     resolve_sampling_settings,
@@ -37,25 +38,9 @@ from grpo_hf.vision import forward_kwargs, split_runs, uses_mrope
 
 logger = logging.getLogger(__name__)
 
-# Other settings that may be present: they change nothing in how tokens are drawn.
-_NEUTRAL_SETTINGS = frozenset(
-    {
-        "max_new_tokens",
-        "max_length",
-        "do_sample",
-        "pad_token_id",
-        "eos_token_id",
-        "bos_token_id",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "output_scores",
-        "output_logits",
-        "return_dict_in_generate",
-        "transformers_version",
-        "_from_model_config",
-    }
-)
+# The settings an engine of its own may leave aside: those that change nothing in how tokens are drawn
+# (`sampling_spec.NEUTRAL_SETTINGS`) but `cache_implementation`, which names a cache only `generate` builds.
+_NEUTRAL_SETTINGS = NEUTRAL_SETTINGS - {"cache_implementation"}
 
 
 def unsupported_reason(
