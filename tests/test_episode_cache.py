@@ -120,17 +120,23 @@ def store_prefix_tokens(prompts: list[list[int]]) -> list[int]:
 
 
 @torch.no_grad()
-def test_the_log_probs_are_the_models_on_each_turns_context(tokenizer):
-    """Each cached turn's log-probs are those of a plain forward over its whole context (nothing stale, no row
-    reading another's keys)."""
-    model = build_tiny_model(tokenizer, seed=2).eval()
-    cached, _ = _run(model, tokenizer, 1 << 30)
+def _assert_plain_forward_logps(model, cached) -> None:
+    """Each turn's log-probs in `cached` are those of a plain forward of `model` over its whole context."""
     for turns in cached.episodes():
         for context, turn, logps in turns:
             ids = torch.tensor([context + turn])
             expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
             expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
             torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_log_probs_are_the_models_on_each_turns_context(tokenizer):
+    """Each cached turn's log-probs are those of a plain forward over its whole context (nothing stale, no row
+    reading another's keys)."""
+    model = build_tiny_model(tokenizer, seed=2).eval()
+    cached, _ = _run(model, tokenizer, 1 << 30)
+    _assert_plain_forward_logps(model, cached)
 
 
 @torch.no_grad()
@@ -278,12 +284,7 @@ def test_every_layer_kind_keeps_its_rows_state_across_turns(family):
             len(turns[0][0]) - 20 for turns in cached.episodes()[::2]
         )  # one row a group, past the prefix
         assert store.stats["prefill_tokens"] == 20 + first_turns + after
-    for turns in cached.episodes():
-        for context, turn, logps in turns:
-            ids = torch.tensor([context + turn])
-            expected = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
-            expected = expected.gather(1, torch.tensor(turn)[:, None]).squeeze(1)
-            torch.testing.assert_close(torch.tensor(logps), expected, rtol=1e-5, atol=1e-5)
+    _assert_plain_forward_logps(model, cached)
 
 
 # ---- entries of episodes that will not come back --------------------------------------------------------------------
