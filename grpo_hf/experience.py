@@ -407,6 +407,7 @@ class ExperienceMaker:
             combined_rewards=combined,
             extra=extra,
             sampling_logps=sampled.sampling_logps,
+            routes=sampled.routes,
         )
 
     def _record_lengths(self, metrics, sampled: Sampled) -> None:

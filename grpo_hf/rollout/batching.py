@@ -74,6 +74,10 @@ class Rollout(Sequences):
     combined_rewards: Tensor  # [N] the weighted sum over reward functions (`core.combine_rewards`)
     extra: list[dict[str, Any]]  # [B] per row, the columns reward functions logged with `log_extra`
     sampling_logps: Tensor | None = None  # [B, T] the sampler's own log-probs (vLLM), 0 off the mask
+    # [B, P + T, L, k] int16/int32: the top-k experts each MoE layer chose for each token the rollout fed the model,
+    # column for column with cat(prompt_ids, completion_ids); -1 where nothing was recorded (padding, the last
+    # completion token). None: not recorded (a dense model, or an engine that does not record them). `grpo_hf.replay`
+    routes: Tensor | None = None
     advantages: Tensor | None = None  # [B] once computed; None while the batch cuts a group (evaluation)
     nonfinite: bool = False  # the advantages are not finite: every optimizer step this rollout feeds is skipped
 
@@ -82,7 +86,11 @@ class Rollout(Sequences):
         if self.advantages is None:
             raise ValueError("A rollout is batched once its advantages are computed (it holds whole groups).")
         return MicroBatch(
-            **self.tokens(), advantages=self.advantages, sampling_logps=self.sampling_logps, nonfinite=self.nonfinite
+            **self.tokens(),
+            advantages=self.advantages,
+            sampling_logps=self.sampling_logps,
+            routes=self.routes,
+            nonfinite=self.nonfinite,
         )
 
 
@@ -97,6 +105,9 @@ class MicroBatch(Sequences):
     # [B, T] the policy's at sampling time (as old_logps, or the current one's) under the distribution the sampler drew
     # from (`sampling.SamplingReplay`): the correction's weight only. None: that distribution is old_logps' own
     old_sampling_logps: Tensor | None = None
+    routes: Tensor | None = None  # [B, P + T, L, k] the rollout's experts per token and MoE layer (`Rollout.routes`)
+    # [B, P + T, L, k] the experts the old-policy forward chose (router_replay="r2", `grpo_hf.replay`); None: not taken
+    old_routes: Tensor | None = None
     num_items_in_batch: Tensor | None = None  # [] completion tokens of its optimizer step, on every process (dapo)
     nonfinite: bool = False  # its rollout's advantages are not finite: skip the optimizer step
 

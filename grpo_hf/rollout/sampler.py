@@ -105,6 +105,9 @@ class Sampled:
     is_prompt_truncated: Tensor  # [B] bool: left-truncated to max_prompt_length
     # [B, T] the sampler's own log-probs (vLLM, rollout_func, any engine under `Sampler.record_logps`), 0 off the loss
     sampling_logps: Tensor | None = None
+    # [B, P + T, L, k] the experts each MoE layer chose per token, column for column with cat(prompt, completion) ids,
+    # -1 where none was recorded (`batching.Rollout.routes`); None: not recorded
+    routes: Tensor | None = None
     prompts: list | None = (
         None  # [B] the prompts as the model saw them (an environment's observation added); None: as given
     )
