@@ -153,6 +153,9 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # `cache_layers` (the kinds of cache layer transformers builds, a prompt's cache repeated to its rows): torch
         # and transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.cache_layers", set()),
+        # `routers` (each MoE family's router: recording and replaying its top-k experts): torch and transformers
+        # only, for the rollout engines (recording) and the training forwards (replay) alike
+        ("grpo_hf.routers", set()),
         # `offline_model` (the offline SmolLM2's directory, converted once from its PyPI package): torch and
         # transformers only, for the loaders in `models` and for users (`grpo_hf.offline_model_path`)
         ("grpo_hf.offline_model", set()),
@@ -171,12 +174,20 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
                 "grpo_hf.background",
                 "grpo_hf.vision",
                 "grpo_hf.cache_layers",
+                "grpo_hf.routers",
             },
         ),
         # log-probs: the forwards (`logprobs`) and the choice among them by device and memory (`forward_plan`)
         (
             "grpo_hf.logprobs",
-            {"grpo_hf.core", "grpo_hf.peft_utils", "grpo_hf.vision", "grpo_hf.forward_plan", "grpo_hf.cache_layers"},
+            {
+                "grpo_hf.core",
+                "grpo_hf.peft_utils",
+                "grpo_hf.vision",
+                "grpo_hf.forward_plan",
+                "grpo_hf.cache_layers",
+                "grpo_hf.routers",
+            },
         ),
         ("grpo_hf.forward_plan", {"grpo_hf.core", "grpo_hf.vision"}),
         # models: loading and building the policy, the reference and the tokenizer, from the leaves only (no step
