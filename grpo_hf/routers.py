@@ -60,15 +60,20 @@ MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_
 """A config with any of these (above 0) describes a Mixture-of-Experts model."""
 
 
-def _softmax_topk(normalise: Callable[[nn.Module], bool]):
-    """Weights of the softmax routers: the softmax over all experts (float32) at the chosen ones, normalised to sum
-    to 1 when `normalise(module)`."""
+def _softmax_at(logits: Tensor, indices: Tensor, normalise: bool) -> Tensor:
+    """The softmax over all experts (float32) at the chosen ones [N, k], normalised to sum 1 when `normalise`."""
+    chosen = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)  # [N, k]
+    return chosen / chosen.sum(dim=-1, keepdim=True) if normalise else chosen
 
-    def weights(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-        chosen = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)  # [N, k]
-        return chosen / chosen.sum(dim=-1, keepdim=True) if normalise(module) else chosen
 
-    return weights
+def _softmax_normalised_if_asked(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Qwen3-MoE, Qwen2-MoE, Qwen3-Next: normalised when the router's `norm_topk_prob`."""
+    return _softmax_at(logits, indices, module.norm_topk_prob)
+
+
+def _softmax_normalised(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Qwen3.5 MoE, Mixtral: always normalised."""
+    return _softmax_at(logits, indices, True)
 
 
 def _softmax_of_chosen(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -89,7 +94,7 @@ def _deepseek(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
 class Family:
     """One MoE family: its router class (looked up in `transformers.models.<module>.modeling_<module>`) and the
     formula of its weights at given experts, `weights(router, logits [N, E], indices [N, k]) -> [N, k]` (any float
-    dtype: the hook casts to the router's own)."""
+    dtype: the hook casts to the router's own). Module-level functions, so that a hooked model still pickles."""
 
     name: str
     module: str
@@ -98,11 +103,11 @@ class Family:
 
 
 FAMILIES = (
-    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeTopKRouter", _softmax_topk(lambda m: m.norm_topk_prob)),
-    Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeTopKRouter", _softmax_topk(lambda m: m.norm_topk_prob)),
-    Family("Qwen3-Next", "qwen3_next", "Qwen3NextTopKRouter", _softmax_topk(lambda m: m.norm_topk_prob)),
-    Family("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", _softmax_topk(lambda m: True)),
-    Family("Mixtral", "mixtral", "MixtralTopKRouter", _softmax_topk(lambda m: True)),
+    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeTopKRouter", _softmax_normalised_if_asked),
+    Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeTopKRouter", _softmax_normalised_if_asked),
+    Family("Qwen3-Next", "qwen3_next", "Qwen3NextTopKRouter", _softmax_normalised_if_asked),
+    Family("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", _softmax_normalised),
+    Family("Mixtral", "mixtral", "MixtralTopKRouter", _softmax_normalised),
     Family("GPT-OSS", "gpt_oss", "GptOssTopKRouter", _softmax_of_chosen),
     Family("GraniteMoeHybrid", "granitemoehybrid", "GraniteMoeHybridTopKRouter", _softmax_of_chosen),
     Family("DeepSeek-V3", "deepseek_v3", "DeepseekV3TopkRouter", _deepseek),

@@ -270,3 +270,35 @@ def test_a_replayed_block_compiles_without_graph_breaks():
         eager = block(hidden)
         compiled = torch.compile(block, fullgraph=True, backend="eager")(hidden)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_routers_are_found_through_lora_and_subclassing_wrappers():
+    """PEFT wraps the model and its linear layers; FSDP2 swaps a sharded module's class for a subclass of it."""
+    from peft import LoraConfig, get_peft_model
+
+    input_ids = ids()
+    _, routes = record(perturbed("qwen3_moe"), input_ids)
+    model = make("qwen3_moe")
+    with replaying(model, routes), torch.no_grad():
+        want = model(input_ids).logits
+    lora = get_peft_model(make("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=True))
+    router = router_sites(lora)[0].module
+    router.__class__ = type(f"FSDP{type(router).__name__}", (type(router),), {})
+    assert [site.layer for site in router_sites(lora)] == [0, 1]
+    with replaying(lora, routes), torch.no_grad():
+        torch.testing.assert_close(lora(input_ids).logits, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_copy_of_a_hooked_model_has_routes_of_its_own():
+    """The async producer decodes a deep copy while the trainer replays on the policy."""
+    import copy
+    import pickle
+
+    input_ids = ids()
+    model = make("qwen3_moe")
+    logits, _ = record(model, input_ids)
+    twin = copy.deepcopy(model)
+    assert pickle.loads(pickle.dumps(model)) is not None
+    with replaying(model, record(perturbed("qwen3_moe"), input_ids)[1]), torch.no_grad():
+        assert torch.equal(twin(input_ids).logits, logits)
+        assert not torch.allclose(model(input_ids).logits, logits)
