@@ -439,11 +439,15 @@ class Sampler:
         """The bare model for `generate`. Under DeepSpeed ZeRO-3 its shards are gathered first (TRL's helper); under
         FSDP2 once for the whole rollout (`parallel.fsdp2_gathered`), not in every forward (every token).
 
-        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive.
+        Gradient checkpointing needs no switching off: `generate` runs in eval mode, where it is inactive. The vllm
+        engine decodes with vLLM's copy of the weights: it gets the model as it is, sharded or not, and its push
+        gathers a bucket of weights at a time (`weights.weight_buckets`), never the whole model.
         """
         wrapped = self.wrapped()
         if not self.gathers:  # `for_model`'s
             yield wrapped
+        elif self.args.rollout_engine == "vllm":
+            yield self.accelerator.unwrap_model(wrapped)
         elif is_zero3(self.accelerator):
             from trl.models.utils import unwrap_model_for_generation
 
