@@ -347,8 +347,8 @@ def is_moe(model: nn.Module) -> bool:
     return bool(router_sites(model))
 
 
-def _states(model: nn.Module) -> list[_SiteState]:
-    sites = router_sites(model)
+def _states(model: nn.Module, sites: list[RouterSite] | None = None) -> list[_SiteState]:
+    sites = router_sites(model) if sites is None else sites
     if not sites:
         raise ValueError(
             f"{type(model).__name__} has no Mixture-of-Experts router: there are no routes to record or replay. "
@@ -440,8 +440,10 @@ def replaying(model: nn.Module, routes: Tensor) -> Iterator[None]:
     B x T tokens `routes` describes (enter a new context for a forward of other tokens). A `recording` inside still
     sees the live choice."""
     sites = router_sites(model)
-    states = _states(model)
+    states = _states(model, sites)
     _check_routes(sites, routes)
+    weight = next(iter(sites[0].module.parameters()), None)  # moved once, not per router call (a no-op if there)
+    routes = routes if weight is None else routes.to(weight.device)
     with _set(states, routes=routes), _checkpoints_follow(model, states):
         yield
 
