@@ -19,6 +19,8 @@ from grpo_hf.core import SAMPLING_CORRECTION_MODES, SamplingCorrection
 logger = logging.getLogger(__name__)
 
 VLLMMode = Literal["colocate", "server"]
+WEIGHT_TRANSFERS = ("auto", "nccl", "gloo", "files")
+"""The values of vllm_server_weight_transfer (`rollout.weight_transfer.TRANSPORTS`, which chooses among them)."""
 
 
 @dataclass
@@ -76,9 +78,19 @@ class VLLMArguments:
     vllm_group_port: int = field(
         default=51216,
         metadata={
-            "help": "TRL's port for the NCCL weight-transfer group of its `trl vllm-serve` (CUDA only). Accepted and "
-            "unused: grpo_hf's server mode pushes the weights as files, to `trl vllm-serve` as to `python -m "
-            "grpo_hf.vllm_serve`."
+            "help": "Server mode: the port, on the trainer's machine (process 0), of the weight-transfer group that "
+            "the server's workers join (vllm_server_weight_transfer 'nccl' or 'gloo'). TRL's default."
+        },
+    )
+    vllm_server_weight_transfer: str = field(
+        default="auto",
+        metadata={
+            "help": "Server mode: how process 0 pushes the weights. 'nccl': vLLM's weight-transfer protocol over "
+            "NCCL (CUDA on both sides, vLLM installed beside the trainer); 'gloo': the same protocol over a gloo "
+            "group on TCP (grpo_hf's engine, which `python -m grpo_hf.vllm_serve` selects on CPUs); 'files': "
+            "safetensors shards in vllm_server_weights_dir, reloaded by the server. 'auto': nccl where the server "
+            "runs it and the trainer is on CUDA, else gloo where the server runs it, else files (the log says "
+            "which and why). Not in TRL."
         },
     )
     vllm_structured_outputs_regex: str | None = field(
@@ -180,6 +192,13 @@ class VLLMArguments:
                 f"{list(SAMPLING_CORRECTION_MODES)}."
             )
         self._check_correction()
+        if self.vllm_server_weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"vllm_server_weight_transfer={self.vllm_server_weight_transfer!r} is not one of "
+                f"{list(WEIGHT_TRANSFERS)}: 'auto' picks the fastest the server and the trainer can run."
+            )
+        if not 0 < self.vllm_group_port < 65536:
+            raise ValueError(f"vllm_group_port={self.vllm_group_port} is not a TCP port (1 to 65535).")
         if self.vllm_server_timeout <= 0:
             raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds.")
         if self.vllm_cpu_kvcache_space < 1:

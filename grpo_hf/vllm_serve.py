@@ -9,6 +9,9 @@ server (exec), so signals reach vLLM.
   penalties, top-k/top-p), for the importance-sampling correction, as TRL asks for.
 - `--generation-config vllm`: the trainer sends every sampling setting; the model's generation_config.json does not
   change them behind its back.
+- `--weight-transfer-config`: vLLM's weight-transfer engine, which takes the trainer's weights over the network
+  (`rollout.weight_transfer`): `nccl` on GPUs, grpo_hf's `gloo` engine (registered by its vLLM plugin) without one;
+  unless the flag is given.
 - without a GPU: `--enforce-eager` (vLLM's compile step costs minutes on a CPU) and `VLLM_CPU_KVCACHE_SPACE=2` GiB
   unless set.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 
@@ -49,6 +53,9 @@ def serve_command(model: str, host: str, port: int, extra: list[str], *, gpu: bo
     argv += ["--host", host, "--port", str(port)]
     argv += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if not any(flag.split("=")[0] == "--weight-transfer-config" for flag in extra):
+        # vLLM's weight-transfer protocol: NCCL on GPUs, grpo_hf's gloo engine (its vLLM plugin) on a CPU
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl" if gpu else "gloo"})]
     if not gpu:
         argv.append("--enforce-eager")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

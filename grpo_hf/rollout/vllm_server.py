@@ -21,6 +21,7 @@ the server batched together, nor on what it sampled before (vLLM gives each seed
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -31,10 +32,18 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
 from grpo_hf.parallel import stop_together
+from grpo_hf.rollout.weight_transfer import (
+    NetworkPush,
+    address_towards,
+    check_same_weights,
+    choose_transport,
+    policy_weights,
+)
 from grpo_hf.rollout.weights import named_weights
 
 logger = logging.getLogger(__name__)
@@ -42,6 +51,22 @@ logger = logging.getLogger(__name__)
 MIN_SERVER_VERSION = (0, 32)  # reload_weights(weights_path=...) through /collective_rpc, as tested here
 MAX_N = 4096  # completions per request (vLLM refuses n > 16384 by default)
 SHARD_BYTES = 1 << 30  # weights per safetensors shard: process 0 holds at most one shard's copy at a time
+TRANSPORT_WORDS = {"files": "as files", "gloo": "over a gloo group", "nccl": "over NCCL"}
+NETWORK_LINKS: dict[tuple[str, str], NetworkPush] = {}
+"""Process 0's weight-transfer groups, one per (server, transport): every client of that server in this process (the
+run's engine, the asynchronous producer's) pushes through it, since the server's workers hold one group at a time."""
+
+
+def server_transfer(info: dict[str, Any]) -> tuple[str | None, int]:
+    """The server's weight-transfer backend (None: none) and its number of workers, from its `/server_info`."""
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    transfer = config.get("weight_transfer_config") or info.get("weight_transfer_config")
+    backend = transfer.get("backend") if isinstance(transfer, dict) else None
+    parallel = config.get("parallel_config") or {}
+    workers = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        workers *= int(parallel.get(key) or 1)
+    return backend, workers
 
 
 class VLLMServer:
@@ -63,8 +88,19 @@ class VLLMServer:
                     check_served_model(self.served, model_config, self.url)
             except Exception as error:  # every process stops with it (`stop_together`)
                 failure = error
+        self.network = None  # process 0's end of vLLM's weight-transfer protocol (`weight_transfer`), or files
+        if self.is_main and failure is None:
+            try:
+                self.network = self.connect_transport()
+            except Exception as error:
+                failure = error
         self._together(failure, "connecting to the vLLM server")
-        if self.is_main and args.vllm_server_weights_dir is None and not on_this_machine(self.url):
+        if (
+            self.network is None
+            and self.is_main
+            and args.vllm_server_weights_dir is None
+            and not on_this_machine(self.url)
+        ):
             logger.warning(
                 f"The vLLM server at {self.url} is on another machine and vllm_server_weights_dir is not set: the "
                 "weights are written to /dev/shm on this machine, which the server cannot read, and its reload will "
@@ -116,13 +152,7 @@ class VLLMServer:
                 f"The vLLM server at {self.url} has no development routes, which take the weights: start it with "
                 "VLLM_SERVER_DEV_MODE=1 (`python -m grpo_hf.vllm_serve` and `trl vllm-serve` do)."
             ) from error
-        if isinstance(info, dict) and info.get("weight_transfer_config"):  # TRL's `trl vllm-serve`
-            logger.info(
-                "The vLLM server has a weight-transfer engine (TRL's `trl vllm-serve`): grpo_hf pushes the weights "
-                "as files all the same (vllm_server_weights_dir), not through its NCCL group on vllm_group_port=%d, "
-                "which needs CUDA on both sides.",
-                self.args.vllm_group_port,
-            )
+        self.server_info = info if isinstance(info, dict) else {}
         model = self.request("/v1/models")["data"][0]
         self.served = model  # id (the served name), root (the path the server loaded), max_model_len
         self.context_window = model.get("max_model_len")  # for `check_not_cut`
@@ -138,6 +168,34 @@ class VLLMServer:
             )
 
     # ---- weights -----------------------------------------------------------------------------------------------
+    def connect_transport(self) -> NetworkPush | None:
+        """Process 0: the weight transport (`vllm_server_weight_transfer`, `choose_transport`), logged with why; a
+        network one joins the server's workers now (once per server and process: the clients share it)."""
+        backend, workers = server_transfer(self.server_info)
+        on_cuda = self.accelerator is not None and self.accelerator.device.type == "cuda"
+        nccl_importable = on_cuda and importlib.util.find_spec("vllm") is not None
+        setting = getattr(self.args, "vllm_server_weight_transfer", "auto")
+        transport, why = choose_transport(setting, backend, on_cuda, nccl_importable)
+        logger.info(f"Weights go to the vLLM server at {self.url} {TRANSPORT_WORDS[transport]}: {why}.")
+        if transport == "files" and backend is not None and "vllm_config" not in self.server_info:
+            logger.info(  # TRL's `trl vllm-serve` names its weight-transfer engine at the top of /server_info
+                "The vLLM server has a weight-transfer engine (TRL's `trl vllm-serve`) that grpo_hf does not join: "
+                f"the weights go as files (vllm_server_weights_dir), not through its group on vllm_group_port="
+                f"{self.args.vllm_group_port}."
+            )
+        if transport == "files":
+            return None
+        key = (self.url, transport)
+        if key not in NETWORK_LINKS:
+            address = "127.0.0.1" if on_this_machine(self.url) else address_towards(urlsplit(self.url).hostname)
+            link = NetworkPush(
+                self.request, transport, address, self.args.vllm_group_port, 1 + workers,
+                bucket_bytes=SHARD_BYTES, timeout=self.timeout,
+            )  # fmt: skip
+            link.served = link.connect()
+            NETWORK_LINKS[key] = link
+        return NETWORK_LINKS[key]
+
     def push(self, model) -> float:
         """Process 0 writes the weights as shards and has the server reload them; every process walks the weights
         (a sharded parameter is gathered collectively). Returns the seconds it took."""
@@ -147,13 +205,19 @@ class VLLMServer:
                 pass
         else:
             try:
-                self.push_from_main(named_weights(model))
+                self.push_from_main(named_weights(model), model)
             except Exception as error:
                 failure = error
         self._together(failure, "pushing the weights to the vLLM server")
         return time.perf_counter() - start
 
-    def push_from_main(self, weights) -> None:
+    def push_from_main(self, weights, model=None) -> None:
+        if self.network is not None:
+            if not self.network.checked and model is not None:  # before the first push, so before any rollout
+                check_same_weights(policy_weights(model), self.network.served, self.url)
+                self.network.checked = True
+            self.network.push(weights)
+            return
         root = self.args.vllm_server_weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         directory = tempfile.mkdtemp(prefix="grpo_hf_weights_", dir=root)
         try:

