@@ -37,8 +37,8 @@ checkpointed layer's `_gradient_checkpointing_func` is wrapped so that the recom
 forward ran under (and records nothing).
 
 Costs: inactive, one attribute read per router call. Recording keeps a reference to each call's indices (no copy, no
-host sync). Replaying does a `torch.where` and the family's weight formula per router call, and one host check of
-the routes' range per context.
+host sync). Replaying does a `torch.where` and the family's weight formula per router call; the routes' range is
+checked once per context, on the routes' device (no host sync for routes on an accelerator).
 """
 
 from __future__ import annotations
@@ -429,8 +429,15 @@ def _check_routes(sites: list[RouterSite], routes: Tensor) -> None:
     if len(top_k) != 1:
         raise ValueError(f"MoE layers with different top-k {sorted(top_k)} cannot share one routes tensor")
     experts = min(site.num_experts for site in sites)
-    if routes.numel() and (int(routes.max()) >= experts or int(routes.min()) < -1):  # one host check per context
-        raise ValueError(f"routes must be expert indices in [0, {experts}) or -1 (no route), got values outside")
+    message = f"routes must be expert indices in [0, {experts}) or -1 (no route), got values outside"
+    if not routes.numel():
+        return
+    inside = (routes.max() < experts) & (routes.min() >= -1)
+    check_on_device = getattr(torch, "_assert_async", None)
+    if routes.device.type != "cpu" and check_on_device is not None:
+        check_on_device(inside, message)  # without waiting for the device (a failure stops the process, with message)
+    elif not inside:
+        raise ValueError(message)
 
 
 @contextlib.contextmanager
