@@ -46,6 +46,7 @@ RewardErrorPolicy = Literal["raise", "skip"]
 LostUpdateAction = Literal["warn", "raise"]
 NonFiniteAction = Literal["raise", "skip_step"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+RouterReplayMode = Literal["off", "r2", "r3"]
 
 
 @dataclass
@@ -121,6 +122,21 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "counts each prompt token's routing once per row, as the padded forward does; one group's backward at a "
             "time (backward_per_group) first runs a no-grad routing pass over the micro-batch for the expert counts, "
             "which span every group (a model whose load-balancing loss is not Switch Transformer's: one backward)."
+        },
+    )
+    router_replay: RouterReplayMode = field(
+        default="off",
+        metadata={
+            "help": "Mixture-of-Experts models: the experts the training forwards route each token to (docs/moe.md). "
+            "'r3' (rollout routing replay): every training-side forward of a rollout's tokens (the policy's loss "
+            "forward, the old-policy and reference log-probs, the shared-prompt path) uses the top-k experts the "
+            "rollout engine chose, per token and layer; 'r2': those the old-policy forward chose (that forward then "
+            "always runs). The routing weights are recomputed from the live router logits at those experts, so the "
+            "router still gets gradients; the load-balancing loss is the model's own. 'off': each forward routes "
+            "as it computes. A model that is not MoE, or whose router grpo_hf does not know, is an error when it is "
+            "on. Whatever the setting, an MoE run logs how often the training forward's experts differ from the "
+            "rollout's (router/route_mismatch, router/token_mismatch) and the log-prob gap (router/logp_gap, "
+            "router/k3_kl) where the rollout recorded them."
         },
     )
     cast_lm_head_to_fp32: bool = field(
@@ -583,6 +599,7 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
         check_choice("reward_error_policy", self.reward_error_policy, get_args(RewardErrorPolicy))
         check_choice("on_lost_updates", self.on_lost_updates, get_args(LostUpdateAction))
         check_choice("on_nonfinite", self.on_nonfinite, get_args(NonFiniteAction))
+        check_choice("router_replay", self.router_replay, get_args(RouterReplayMode))
 
     def _check_precision_options(self) -> None:
         """The lost-update check's period and threshold."""

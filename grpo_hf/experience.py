@@ -37,6 +37,7 @@ from grpo_hf.logprobs import LogprobPath
 from grpo_hf.metrics import Metrics, check_finite_rewards, length_metrics, no_signal_warning, reward_metrics
 from grpo_hf.parallel import stop_together, sum_over_processes
 from grpo_hf.peft_utils import reference_adapter
+from grpo_hf.replay import RouterReplay
 from grpo_hf.rewards import compute_rewards
 from grpo_hf.rewards.calling import RewardLogs
 from grpo_hf.rollout import MicroBatch, Rollout, RolloutEngine, Sequences, is_conversational, split_into_micro_batches
@@ -125,6 +126,8 @@ class ExperienceMaker:
         self.rewards, self.models, self.logps, self.guard, self.metrics = rewards, models, logps, guard, metrics
         self.state, self.sampler, self.train_rows = state, sampler, train_rows
         self.replay = self.sampling_replay()
+        # An MoE policy's routing replay and router metrics (`grpo_hf.replay`); None: a dense model, replay off
+        self.router = RouterReplay.of(args.router_replay, accelerator.unwrap_model(models.policy()), metrics)
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
         # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
         # inside one accumulation window.
@@ -185,7 +188,7 @@ class ExperienceMaker:
         with torch.no_grad():
             for batch in batches:
                 self.set_old_logps(batch)
-                batch.ref_logps = self.reference_logps(batch)
+                batch.ref_logps = self.reference_logps(batch, self.router and self.router.reference(batch))
         self._set_token_counts(batches)
         return batches
 
@@ -214,15 +217,34 @@ class ExperienceMaker:
         penalise or truncate (`replay`) then also gets `old_sampling_logps`, pi_old under the sampling distribution,
         for the weight pi_old / pi_sampler only, from the same no-grad forward. Without old log-probs, pi_old is the
         policy the training forward runs, and that forward replays its own logits (`logprobs.ProxReplay`): no forward
-        here."""
+        here, unless router_replay='r2' records that forward's routes (`replay.RouterReplay.old`)."""
+        policy, routing = self.models.policy(), None if self.router is None else self.router.old(batch)
         if not self.needs_old_logps:
             batch.old_logps = None
+            if self.router is not None and self.router.records_old:
+                self.logps.no_grad(policy, batch, routing=routing)
             return
-        policy = self.models.policy()
         if self.replay is None or batch.sampling_logps is None:
-            batch.old_logps = self.logps.no_grad(policy, batch)
+            batch.old_logps = self.logps.no_grad(policy, batch, routing=routing)
         else:
-            batch.old_logps, batch.old_sampling_logps = self.logps.no_grad(policy, batch, replay=self.replay)
+            batch.old_logps, batch.old_sampling_logps = self.logps.no_grad(
+                policy, batch, replay=self.replay, routing=routing
+            )
+
+    def loss_kwargs(self, plan, batch: MicroBatch) -> dict:
+        """`logprobs.completion_logps`' keyword arguments for `batch`'s loss forward under `plan` (a `ForwardPlan`):
+        pi_prox replayed where the batch is corrected (`LogprobPath.kwargs`) and an MoE policy's `routing`, the experts
+        replayed and the live ones recorded (`replay.RouterReplay.training`)."""
+        kwargs = self.logps.kwargs(plan, batch, self.replay)
+        if self.router is not None:
+            kwargs["routing"] = self.router.training(batch)
+        return kwargs
+
+    def record_routing(self, routing, batch: MicroBatch, logps: Tensor | None) -> None:
+        """An MoE policy's loss forward (its `routing`) against the rollout, into the train metrics
+        (`replay.RouterReplay.record`; `logps` [B, T] the loss forward's log-probs, None: those its `routing` kept)."""
+        if self.router is not None:
+            self.router.record(routing, batch, logps)
 
     def eval_batch(self, inputs: list[dict[str, Any]]) -> MicroBatch | None:
         """An evaluation batch, sampled with `num_generations_eval` completions per prompt, scored, with advantages
@@ -251,16 +273,17 @@ class ExperienceMaker:
             with self.accelerator.autocast():
                 self.num_image_encodings += encode_rows(self.models.policy(), rollout.image_inputs)
 
-    def reference_logps(self, batch: Sequences) -> Tensor | None:
+    def reference_logps(self, batch: Sequences, routing=None) -> Tensor | None:
         """The reference model's log-probs [B, T] (None when beta = 0); under PEFT, the policy with its frozen copy of
-        a given adapter, or with adapters off (`peft_utils.reference_adapter`)."""
+        a given adapter, or with adapters off (`peft_utils.reference_adapter`). `routing`: the experts its forwards
+        use (`replay.RouterReplay.reference`; None: live)."""
         if self.args.beta == 0.0:
             return None
         if self.models.reference is not None:
-            return self.logps.no_grad(self.models.reference, batch)
+            return self.logps.no_grad(self.models.reference, batch, routing=routing)
         policy = self.models.policy()
         with reference_adapter(self.accelerator.unwrap_model(policy)):  # the given adapter, or the adapters off
-            return self.logps.no_grad(policy, batch)
+            return self.logps.no_grad(policy, batch, routing=routing)
 
     def _set_token_counts(self, batches: list[MicroBatch]) -> None:
         """dapo normalises by the completion tokens of the whole optimizer step (all processes and accumulation

@@ -22,13 +22,17 @@ The tricks, each exact (same maths as one padded forward, float rounding aside):
   start from its training forward, the proximal policy is the one that forward runs. Its log-probs under the
   sampler's distribution (`rollout.sampling.SamplingReplay`) are replayed on that forward's own logits, detached,
   instead of a no-grad forward of their own.
+- **Routing replay** (`routing`, `grpo_hf.replay.BatchRouting`): every forward below names the rows and the columns of
+  cat(prompt, completion) it runs, so an MoE model's experts can be replayed from, or recorded into, per-token
+  routes of the batch, whichever path (padded, shared prefix, a group at a time, in chunks) computes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -63,6 +67,44 @@ _LOGIT_TRANSFORMS = (
     "output_multiplier",
     "lm_head_multiplier",
 )
+
+
+class Routing(Protocol):
+    """Where an MoE model's experts come from in the forwards of one batch (`grpo_hf.replay.BatchRouting`)."""
+
+    def __call__(
+        self, model: nn.Module, rows: torch.Tensor, columns: slice, *, shared: bool = False
+    ) -> contextlib.AbstractContextManager:
+        """The context one forward of `model` runs in: its rows are the batch's `rows` [n] (`shared`: one row
+        standing for all of them, a group's prompt), its tokens the `columns` of cat(prompt_ids, completion_ids)."""
+
+    def from_row(self, start: int) -> Routing:
+        """The same, for a batch that is this one's rows from `start` on (`Sequences.rows`)."""
+
+    logps: torch.Tensor | None  # the loss forward's log-probs [B, T], kept by `watch_logps`
+
+
+def watch_logps(routing: Routing | None, loss_fn: Callable) -> Callable:
+    """`loss_fn(logps, ...)` that also keeps the log-probs it is given in `routing.logps` (the last call's, whose rows
+    are all real in `backward_per_group`), for the router metrics; `loss_fn` itself without a routing."""
+    if routing is None:
+        return loss_fn
+
+    def watched(logps, *args, **kwargs):
+        routing.logps = logps
+        return loss_fn(logps, *args, **kwargs)
+
+    return watched
+
+
+def routed(routing: Routing | None, model: nn.Module, rows: torch.Tensor, columns: slice, shared: bool = False):
+    """`routing`'s context for one forward (`Routing`), or none."""
+    return contextlib.nullcontext() if routing is None else routing(model, rows, columns, shared=shared)
+
+
+def _from_row(rows_of, start: int):
+    """`rows_of.from_row(start)` (a `Routing` or a `ProxReplay`), or None."""
+    return None if rows_of is None else rows_of.from_row(start)
 
 
 def shared_prefix_unsupported(model: nn.Module) -> str | None:
@@ -170,7 +212,12 @@ def length_buckets(lengths: torch.Tensor, min_saving: float = 0.1) -> list[torch
 
 
 def shared_prefix_logits(
-    model: nn.Module, batch: Batch, router: RouterTally | ExpertLoad | None = None, *, head: bool = True
+    model: nn.Module,
+    batch: Batch,
+    router: RouterTally | ExpertLoad | None = None,
+    *,
+    head: bool = True,
+    routing: Routing | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """Logits predicting the completion tokens, each prompt run once: yields `(rows [n], logits [n, t, V])`.
 
@@ -187,27 +234,26 @@ def shared_prefix_logits(
     token would take the decode kernels that update linear-attention states in place), and with `router` (the MoE
     load-balancing loss) every real token, the last completion token included: each forward's router logits go to
     `router` with the number of rows each token stands for. `head=False`: the decoder alone, no LM head
-    (`expert_load`'s routing pass); yields `(rows, None)`.
-
-    A vision-language model takes `_vision_prefix_logits`.
+    (`expert_load`'s routing pass); yields `(rows, None)`. `routing`: each forward's context (`routed`: the prompt's
+    for its group's rows, `shared`). A vision-language model takes `_vision_prefix_logits`.
     """
     base = base_model(model)  # PEFT layers live inside the base model
     if is_vision_model(base):
-        yield from _vision_prefix_logits(base, batch)
+        yield from _vision_prefix_logits(base, batch, routing)
         return
     decoder, keyword = base.get_decoder(), cache_keyword(base)
     prompt_ids, prompt_mask, completion_ids = batch.prompt_ids, batch.prompt_mask, batch.completion_ids
-    P = prompt_ids.size(1)
-    lengths = batch.attention_mask.sum(dim=1).clamp(min=1)  # [B] positions each row needs (tool output included)
-    routed = {"output_router_logits": True} if router is not None else {}
+    P, lengths = prompt_ids.size(1), batch.attention_mask.sum(dim=1).clamp(min=1)  # lengths [B]: tool output included
+    routed_kw = {"output_router_logits": True} if router is not None else {}
     for start, stop in prompt_runs(prompt_ids, prompt_mask):
         p = int(prompt_mask[start].sum())
         cache = DynamicCache(config=base.config)
         if p > 1:
-            head = decoder(input_ids=prompt_ids[start : start + 1, P - p : P - 1], use_cache=True, **routed)
-            cache = _cache_of(head)
+            with routed(routing, base, torch.arange(start, stop), slice(P - p, P - 1), shared=True):
+                prefix = decoder(input_ids=prompt_ids[start : start + 1, P - p : P - 1], use_cache=True, **routed_kw)
+            cache = _cache_of(prefix)
             if router is not None:  # the prompt's tokens count once per row of the group
-                router.add(head.router_logits, prompt_mask.new_full((1, p - 1), stop - start))
+                router.add(prefix.router_logits, prompt_mask.new_full((1, p - 1), stop - start))
         for bucket in length_buckets(lengths[start:stop]):
             rows = bucket + start  # [n] rows of the batch
             n, t = rows.numel(), int(lengths[rows].max())
@@ -216,21 +262,20 @@ def shared_prefix_logits(
             input_ids = torch.cat([last, completion_ids[rows, : width - 1]], dim=1)  # [n, width]
             positions = torch.arange(p - 1, p - 1 + width, device=prompt_ids.device).expand(n, -1)  # [n, width]
             keep = 0 if width == t else torch.arange(t, device=prompt_ids.device)
-            output = (base if head else decoder)(
-                input_ids=input_ids,
-                position_ids=positions,
-                use_cache=True,
-                **({"logits_to_keep": keep} if head else {}),
-                **{keyword: repeat_cache(cache, n)},
-                **routed,
-            )
+            with routed(routing, base, rows, slice(P - 1, P - 1 + width)):
+                output = (base if head else decoder)(
+                    input_ids=input_ids, position_ids=positions, use_cache=True, **{keyword: repeat_cache(cache, n)},
+                    **({"logits_to_keep": keep} if head else {}), **routed_kw,
+                )  # fmt: skip
             if router is not None:  # the prompt's last token, then the completion's real tokens
                 weights = torch.cat([lengths.new_ones(n, 1), batch.attention_mask[rows, : width - 1]], dim=1)
                 router.add(output.router_logits, weights)  # [n, width]
             yield rows, (output.logits if head else None)  # [n, t, V]
 
 
-def _vision_prefix_logits(base: nn.Module, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _vision_prefix_logits(
+    base: nn.Module, batch: Batch, routing: Routing | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`shared_prefix_logits` for a vision-language model: each prompt (with its images, `_prompt_forward`) runs whole
     through the multimodal model; its completions, cut to t - 1 tokens, through the language model on its cache
     repeated to the bucket's n rows; the LM head maps the prompt's last hidden state and theirs to logits."""
@@ -242,7 +287,8 @@ def _vision_prefix_logits(base: nn.Module, batch: Batch) -> Iterator[tuple[torch
     for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
         image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
-        prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
+        with routed(routing, base, torch.arange(start, stop), slice(P - p, P), shared=True):
+            prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
         last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
         for bucket in length_buckets(lengths[start:stop]):
             rows = bucket + start  # [n] rows of the batch
@@ -251,9 +297,10 @@ def _vision_prefix_logits(base: nn.Module, batch: Batch) -> Iterator[tuple[torch
             if t > 1:
                 cache = repeat_cache(prompt.cache, n)
                 positions = torch.arange(p, p + t - 1, device=prompt_ids.device).expand(n, -1) + offset  # [n, t - 1]
-                completion = decoder(
-                    input_ids=completion_ids[rows, : t - 1], position_ids=positions, **{keyword: cache}
-                ).last_hidden_state  # [n, t - 1, H]
+                with routed(routing, base, rows, slice(P, P + t - 1)):
+                    completion = decoder(
+                        input_ids=completion_ids[rows, : t - 1], position_ids=positions, **{keyword: cache}
+                    ).last_hidden_state  # [n, t - 1, H]
                 hidden = torch.cat([hidden, completion], dim=1)  # [n, t, H]
             yield rows, lm_head(hidden)  # [n, t, V]
 
@@ -350,15 +397,15 @@ class ExpertLoad:
 
 
 @torch.no_grad()
-def expert_load(model: nn.Module, batch: Batch) -> ExpertLoad:
+def expert_load(model: nn.Module, batch: Batch, routing: Routing | None = None) -> ExpertLoad:
     """The routing pass: every token's top-k experts (`ExpertLoad`) from one no-grad run of the shared-prefix decoder
     over `batch`, no LM head. The random state is restored after it, so that the training forwards that follow draw
-    the same dropout masks and route as it did."""
+    the same dropout masks and route as it did (`routing`: as they do)."""
     base = base_model(model)
     device = batch.prompt_ids.device
     load = ExpertLoad(base.num_experts, base.num_experts_per_tok, device)
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
-        for _ in shared_prefix_logits(model, batch, load, head=False):
+        for _ in shared_prefix_logits(model, batch, load, head=False, routing=routing):
             pass
     return load
 
@@ -400,6 +447,7 @@ def padded_logps(
     entropy_grad: bool = False,
     router_aux: list[torch.Tensor] | None = None,
     prox_replay: ProxReplay | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens from one forward over the padded prompt + completion rows.
 
@@ -410,9 +458,10 @@ def padded_logps(
     `router_aux`: a list, for Mixture-of-Experts models; the forward then returns its router logits and its
     load-balancing loss (`aux_loss`, over every real prompt and completion token) is appended to the list.
     `prox_replay` (`ProxReplay`): the same logits, detached, replayed under the sampler's distribution into it.
+    `routing` (`Routing`): the context of the forward, which runs every row and column.
     """
     completion_ids = batch.completion_ids
-    logits = _padded_logits(model, batch, router_aux)  # [B, T + 1, V]
+    logits = _padded_logits(model, batch, router_aux, routing)  # [B, T + 1, V]
     if prox_replay is not None:
         prox_replay(batch, torch.arange(len(batch), device=completion_ids.device), logits[:, :-1])
     # The log-softmax runs over all T + 1 kept positions, the last one against a dummy token, and its result is cut to
@@ -422,7 +471,9 @@ def padded_logps(
     return logps[:, :-1], (entropy[:, :-1] if with_entropy else None)  # [B, T] each
 
 
-def _padded_logits(model: nn.Module, batch: Batch, router_aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+def _padded_logits(
+    model: nn.Module, batch: Batch, router_aux: list[torch.Tensor] | None = None, routing: Routing | None = None
+) -> torch.Tensor:
     """The logits [B, T + 1, V] of `padded_logps`' one forward: the T + 1 last positions of the padded prompt +
     completion rows, the first T predicting the completion tokens."""
     prompt_ids, prompt_mask = batch.prompt_ids, batch.prompt_mask
@@ -434,15 +485,16 @@ def _padded_logits(model: nn.Module, batch: Batch, router_aux: list[torch.Tensor
     if vision and uses_mrope(model):
         position_ids = None  # 3-D positions (Qwen2-VL): the model numbers a batch with images itself
     T = completion_ids.size(1)
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=T + 1,
-        use_cache=False,
-        **vision,
-        **({"output_router_logits": True} if router_aux is not None else {}),
-    )
+    with routed(routing, model, torch.arange(len(batch)), slice(0, input_ids.size(1))):
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+            **vision,
+            **({"output_router_logits": True} if router_aux is not None else {}),
+        )
     if router_aux is not None:
         router_aux.append(outputs.aux_loss)
     return outputs.logits
@@ -459,17 +511,18 @@ def shared_prefix_logps(
     router_aux: list[torch.Tensor] | None = None,
     router_load: ExpertLoad | None = None,
     prox_replay: ProxReplay | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_logps` with each group's prompt run once (`shared_prefix_logits`); positions past a row's
     bucket get 0. Needs the bare model (`supports_shared_prefix`). `router_aux`: as `padded_logps`'s, the
     load-balancing loss of the padded forward's tokens (`RouterTally`) appended to it; with `router_load` (the
     routing of a micro-batch `batch` is part of, `expert_load`), these tokens' share of that micro-batch's loss.
-    `prox_replay`: as `padded_logps`'s, each bucket's logits replayed into it."""
+    `prox_replay`: as `padded_logps`'s, each bucket's logits replayed into it. `routing`: each forward's context."""
     completion_ids = batch.completion_ids
     T = completion_ids.size(1)
     rows, logps, entropy = [], [], []
     router = RouterTally() if router_aux is not None else None
-    for bucket, logits in shared_prefix_logits(model, batch, router):  # logits [n, t, V], t <= T
+    for bucket, logits in shared_prefix_logits(model, batch, router, routing=routing):  # logits [n, t, V], t <= T
         t = logits.size(1)
         rows.append(bucket)
         if prox_replay is not None:
@@ -522,6 +575,7 @@ def logps_and_replayed(
     share_prefix: bool,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """No grad: `completion_logps` [B, T] and, from the same logits, `replay(batch, rows, logits [n, t, V]) -> [n, t]`
     [B, T] (`rollout.sampling.SamplingReplay`: the log-probs under the distribution the sampler drew from). One
@@ -531,9 +585,10 @@ def logps_and_replayed(
     logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)  # [B, T]
     replayed = torch.zeros_like(logps)  # [B, T]
     if share_prefix:
-        parts = shared_prefix_logits(model, batch)  # (rows [n], logits [n, t, V]) per bucket, t <= T
+        parts = shared_prefix_logits(model, batch, routing=routing)  # (rows [n], logits [n, t, V]) per bucket, t <= T
     else:
-        parts = [(torch.arange(len(batch), device=completion_ids.device), _padded_logits(model, batch))]  # t = T + 1
+        rows = torch.arange(len(batch), device=completion_ids.device)
+        parts = [(rows, _padded_logits(model, batch, routing=routing))]  # t = T + 1
     for rows, logits in parts:
         t = min(logits.size(1), T)
         index = nn.functional.pad(completion_ids[rows, :t], (0, logits.size(1) - t))  # [n, t(+1)], 0 at a dummy
@@ -591,17 +646,18 @@ def logps_in_chunks(
 ):
     """No-grad log-probs [B, T] for a whole generation batch, `micro_batch_size` rows at a time, dropout off.
     With `with_entropy=True` in `kwargs`: `(logps, entropy)`, both [B, T]; with a `replay` (`logps_and_replayed`):
-    `(logps, replayed)`."""
+    `(logps, replayed)`. A `routing` (`Routing`) in `kwargs` routes every chunk's forwards."""
     was_training = model.training
     model.eval()
+    routing = kwargs.pop("routing", None)
     try:
         parts = []
         for start in range(0, len(batch), micro_batch_size):
-            part = batch.rows(start, start + micro_batch_size)
+            part, chunk = batch.rows(start, start + micro_batch_size), {**kwargs, "routing": _from_row(routing, start)}
             if replay is not None:
-                parts.append(logps_and_replayed(model, part, replay, share_prefix=share_prefix, **kwargs))
+                parts.append(logps_and_replayed(model, part, replay, share_prefix=share_prefix, **chunk))
             else:
-                parts.append(completion_logps(model, part, share_prefix=share_prefix, **kwargs))
+                parts.append(completion_logps(model, part, share_prefix=share_prefix, **chunk))
         logps = torch.cat([part[0] for part in parts])  # [B, T]
         paired = kwargs.get("with_entropy") or replay is not None
         return (logps, torch.cat([part[1] for part in parts])) if paired else logps
@@ -627,8 +683,8 @@ def backward_per_group(
     go into the full [B, T] tensor, whose other rows hold detached values (log-probs of earlier groups, placeholders
     for later ones), and `backward_fn(loss)` backpropagates the full loss, reaching only this group's graph, which is
     then freed. The last group's loss, whose rows are all real, is returned for the caller to backpropagate; its value
-    and metrics are those of the whole micro-batch. `kwargs` go to `shared_prefix_logps` (a `prox_replay` gets each
-    group's rows from the group's forward, `ProxReplay`). Returns `(loss, metrics, entropy [B, T])`, entropy detached.
+    and metrics are those of the whole micro-batch. `kwargs` go to `shared_prefix_logps` (`prox_replay`, `routing`:
+    each group's from its first row, `from_row`). Returns `(loss, metrics, entropy [B, T])`, entropy detached.
 
     With `entropy_in_loss`, `loss_fn(logps, entropy)` also gets the entropy [B, T], built the same way: this
     group's rows from its forward (with a gradient when `entropy_grad=True` is in `kwargs`), earlier groups'
@@ -642,19 +698,19 @@ def backward_per_group(
     micro-batch's loss, which is appended to the list.
     """
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)
-    prox = kwargs.pop("prox_replay", None)  # `ProxReplay`: later groups' rows weigh 1 (no gradient) until they run
+    # `ProxReplay`: later groups' rows weigh 1 (no gradient) until they run; `Routing`: the routing pass's too
+    prox, routing = kwargs.pop("prox_replay", None), kwargs.pop("routing", None)
     # Rows not computed yet: the old log-probs (ratio 1) or the reference's, so every term stays finite.
-    placeholder = next((x for x in (batch.old_logps, batch.ref_logps) if x is not None), None)
-    if placeholder is None:
-        placeholder = torch.zeros_like(batch.completion_ids, dtype=torch.float32)
+    zeros = torch.zeros_like(batch.completion_ids, dtype=torch.float32)
+    placeholder = next((x for x in (batch.old_logps, batch.ref_logps) if x is not None), zeros)
     values, entropy = placeholder.clone(), torch.zeros_like(placeholder)  # [B, T] each
     routed = router_aux is not None
-    load, aux_done = (expert_load(model, batch) if routed else None), 0.0  # aux_done: earlier groups' shares
+    load, aux_done = (expert_load(model, batch, routing) if routed else None), 0.0  # aux_done: earlier groups' shares
     for k, (start, stop) in enumerate(runs):
         part, shares = batch.rows(start, stop), ([] if routed else None)
-        replay = None if prox is None else prox.from_row(start)
+        group = {"prox_replay": _from_row(prox, start), "routing": _from_row(routing, start)}
         logps, part_entropy = shared_prefix_logps(
-            model, part, with_entropy=True, router_aux=shares, router_load=load, prox_replay=replay, **kwargs
+            model, part, with_entropy=True, router_aux=shares, router_load=load, **group, **kwargs
         )  # [n, T] each
         logps = logps.to(values.dtype)
         inputs = [torch.cat([values[:start], logps, values[stop:]])]  # [B, T]

@@ -20,6 +20,7 @@ from torch import Tensor
 from grpo_hf.core import nan_group_std
 
 MODES = ("train", "eval")
+RATIO_PARTS = (" (numerator)", " (denominator)")  # the hidden names of a ratio's parts (`Metrics.add_ratio`)
 
 
 class Metrics:
@@ -49,9 +50,17 @@ class Metrics:
         for name, (total, count) in zip(names, stats.tolist(), strict=True):
             into[name].append(total / count)
 
+    def add_ratio(self, mode: str, name: str, numerator: float, denominator: float) -> None:
+        """Record a metric that a row logs as the sum of its numerators over the sum of its denominators, over the
+        values since the last row and over processes (e.g. a share of tokens, over micro-batches of different sizes),
+        not as a mean of ratios; a row where the denominators sum to 0 leaves it out. Each process records one pair
+        per call site and step, as for every metric (the row divides the means, whose counts are then alike)."""
+        self.modes[mode][name + RATIO_PARTS[0]].append(numerator)
+        self.modes[mode][name + RATIO_PARTS[1]].append(denominator)
+
     def pop_means(self, mode: str, accelerator) -> dict[str, float]:
-        """Each recorded name's mean over its values, averaged over processes; the values are then cleared. Every
-        process must call it at the same step."""
+        """Each recorded name's mean over its values, averaged over processes; the values are then cleared, and the
+        parts of a ratio (`add_ratio`) divided. Every process must call it at the same step."""
         collected = self.modes[mode]
         keys = sorted(key for key, values in collected.items() if values)
         means = torch.tensor(
@@ -62,7 +71,7 @@ class Metrics:
         collected.clear()
         if keys and accelerator.num_processes > 1:
             means = accelerator.reduce(means, "mean")
-        row = dict(zip(keys, means.tolist(), strict=True))
+        row = _ratios(dict(zip(keys, means.tolist(), strict=True)))
         if mode == "train" and row:
             self.last_train = row
         return row
@@ -87,6 +96,18 @@ class Metrics:
 
     def load_state(self, values: dict[str, list[float]]) -> None:
         self.modes["train"] = defaultdict(list, values)
+
+
+def _ratios(row: dict[str, float]) -> dict[str, float]:
+    """`row` with each ratio's parts (`Metrics.add_ratio`) replaced by their quotient (left out where the denominator
+    is 0)."""
+    top, bottom = RATIO_PARTS
+    for key in [key for key in row if key.endswith(top)]:
+        name = key.removesuffix(top)
+        numerator, denominator = row.pop(key), row.pop(name + bottom)
+        if denominator != 0:
+            row[name] = numerator / denominator
+    return row
 
 
 def reward_metrics(rewards: Tensor, total: Tensor, names: Sequence[str], num_generations: int) -> dict[str, float]:

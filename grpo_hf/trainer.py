@@ -37,7 +37,7 @@ from grpo_hf.core import off_policy_mask
 from grpo_hf.experience import ExperienceMaker, Models, RewardSet
 from grpo_hf.guards import NonfiniteGuard
 from grpo_hf.heads import cast_lm_head_to_fp32, router_aux_loss_coef
-from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps
+from grpo_hf.logprobs import LogprobPath, backward_per_group, completion_logps, watch_logps
 from grpo_hf.metrics import Metrics
 from grpo_hf.models import build_models, tokenizer_of
 from grpo_hf.objective import Objective, gathered_clip_extremes, gathered_high_entropy_mask
@@ -151,8 +151,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         tokenizer = tokenizer_of(self.processing_class)  # a VLM's processor's own
         self.eos_token_ids = eos_token_ids_of(self.accelerator.unwrap_model(self.model), tokenizer)
         self.generation_config = args.generation_config_for(tokenizer.pad_token_id, self.eos_token_ids)
-        self.chat_template_kwargs = args.chat_template_kwargs
-        self.rollout_func = rollout_func  # TRL's: completions from a function of the user's (`rollout.custom`)
+        self.chat_template_kwargs, self.rollout_func = args.chat_template_kwargs, rollout_func  # TRL's attributes
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)  # 0.0: off
         self._metrics = Metrics()
         self.completion_log = CompletionLog(args)  # log_completions: TRL's files, the table, trackers, the Hub
@@ -310,19 +309,19 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         batch, objective = inputs, self.objective
         plan = self.logps.plan(model, batch)
-        kwargs = self.logps.kwargs(plan, batch, self.experience.replay)  # pi_prox replayed: `ProxReplay`
-        share_prefix = kwargs.pop("share_prefix")
+        kwargs = self.experience.loss_kwargs(plan, batch)  # pi_prox replayed (`ProxReplay`), MoE routes (`replay`)
+        share_prefix, routing = kwargs.pop("share_prefix"), kwargs.get("routing")
         # The bare module: a DDP wrapper's forward is bypassed, and `training_step` averages the gradients (when the
         # last micro-step of the optimizer step took this path: the plan may change between steps)
         self._average_gradients = share_prefix and self.accelerator.num_processes > 1
         model = self.accelerator.unwrap_model(model) if share_prefix else model
         kwargs["entropy_grad"] = objective.entropy.applied != 0  # the bonus is differentiated; else a metric
-        steps, policy_mask = self.current_gradient_accumulation_steps, None
+        steps, policy_mask, logps = self.current_gradient_accumulation_steps, None, None
         router_aux = objective.router_aux(kwargs)  # MoE: the forwards' load-balancing loss goes here
         with self.accelerator.autocast():
             # top_entropy_quantile < 1: a group's token mask depends on every group's entropy, so one backward
             if share_prefix and plan.per_group and self.args.top_entropy_quantile == 1.0:
-                loss_fn = objective.loss_of(batch, steps)  # a routing pass first, then each group's share
+                loss_fn = watch_logps(routing, objective.loss_of(batch, steps))  # its logps kept: `record_routing`
                 loss, metrics, entropy = backward_per_group(
                     model, batch, loss_fn, self._backward_early, entropy_in_loss=True, **kwargs
                 )
@@ -339,6 +338,7 @@ class GRPOTrainer(AtomicCheckpoints, Producing, Trainer):
         for key, value in gathered_clip_extremes(self.accelerator, metrics).items():
             train_metrics[key].append(value)
         objective.record_entropy(entropy, batch.completion_mask, policy_mask, train_metrics)
+        self.experience.record_routing(routing, batch, logps)  # MoE: rollout vs training (`replay.RouterReplay`)
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
