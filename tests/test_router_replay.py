@@ -264,3 +264,57 @@ def test_the_setting_is_checked():
     assert GRPOConfig(output_dir="unused", router_replay="r3").router_replay == "r3"
     with pytest.raises(ValueError, match="router_replay='r4' is not one of the choices"):
         GRPOConfig(output_dir="unused", router_replay="r4")
+
+
+# ---- the trainer: the setting wired into every forward of a step ------------------------------------------------
+def tiny_moe(tokenizer, seed: int = 0):
+    """A tiny Qwen3-MoE over the byte tokenizer's vocabulary."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_the_trainer_refuses_replay_on_a_dense_model(tiny_llama, tokenizer):
+    from conftest import make_trainer, tiny_run_args
+
+    with pytest.raises(ValueError, match="router_replay='r3', but LlamaForCausalLM is not a Mixture-of-Experts"):
+        make_trainer(tiny_run_args(router_replay="r3"), model=tiny_llama, tokenizer=tokenizer)
+
+
+def test_the_trainer_under_r2_replays_the_old_forwards_routes_in_the_reference_and_loss_forwards(
+    tokenizer, monkeypatch
+):
+    """One step, beta > 0, LoRA off: each micro-batch's old forward records its routes (no old log-probs are needed:
+    it runs for them), and every reference and loss forward replays exactly those routes."""
+    from conftest import make_trainer, tiny_run_args
+
+    from grpo_hf import replay as replay_module
+
+    replayed = []
+    real = replay_module.replaying
+
+    def spy(model, routes):
+        replayed.append(routes.clone())
+        return real(model, routes)
+
+    monkeypatch.setattr(replay_module, "replaying", spy)
+    args = tiny_run_args(router_replay="r2", beta=0.1, rollout_engine="loop")
+    trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
+    assert trainer.experience.needs_old_logps is False  # the old forward runs for its routes only
+    trainer.train()
+    (batch,) = trainer._buffer
+    assert batch.old_logps is None and batch.old_routes is not None
+    ran = (batch.old_routes >= 0).all(-1).all(-1)
+    assert ran.float().mean() > 0.5 and int(batch.old_routes.max()) < 4
+    assert len(replayed) >= 2  # the reference forward's and the loss forward's
+    old, W = batch.old_routes, batch.old_routes.size(1)
+    for routes in replayed:  # each row a row of the old forward's routes, cut to the forward's columns
+        w = routes.size(1)
+        for row in routes:
+            assert any(torch.equal(row, old[i, j : j + w]) for i in range(len(batch)) for j in range(W - w + 1))
