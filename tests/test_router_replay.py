@@ -318,3 +318,27 @@ def test_the_trainer_under_r2_replays_the_old_forwards_routes_in_the_reference_a
         w = routes.size(1)
         for row in routes:
             assert any(torch.equal(row, old[i, j : j + w]) for i in range(len(batch)) for j in range(W - w + 1))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_r3_load_balancing_loss_is_the_familys_own_on_every_path(family):
+    """The load-balancing loss under replay: the family's function of the live router logits of the replayed forward,
+    the same whether it comes from the padded forward's `aux_loss`, the shared prefix's tally or one group at a time
+    (whose routing pass runs under replay too)."""
+    model = build(family)
+    batch = rollout_batch(family)
+    replay = RouterReplay.of("r3", model)
+    auxes = {}
+    for share in (False, True):
+        aux = []
+        completion_logps(model, batch, share_prefix=share, router_aux=aux, routing=replay.training(batch))
+        auxes[share] = aux[0].detach()
+    aux = []
+    loss_fn = lambda logps, entropy, router_aux: (router_aux[0], {})  # noqa: E731
+    backward_per_group(model, batch, loss_fn, lambda part: part.backward(), entropy_in_loss=True, router_aux=aux,
+                       routing=replay.training(batch))  # fmt: skip
+    live = []
+    completion_logps(model, batch, share_prefix=False, router_aux=live)
+    assert (auxes[False] - live[0].detach()).abs() > 1e-5  # replay moved the later layers' logits (by ~2e-5)
+    torch.testing.assert_close(auxes[True], auxes[False], rtol=0, atol=1e-6)
+    torch.testing.assert_close(aux[0].detach(), auxes[False], rtol=0, atol=1e-6)
