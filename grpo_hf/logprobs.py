@@ -287,7 +287,7 @@ def _vision_prefix_logits(
     for start, stop in split_runs(prompt_runs(prompt_ids, prompt_mask), batch.image_inputs):
         p = int(prompt_mask[start].sum())
         image_row = batch.image_inputs[start] if batch.image_inputs is not None else None
-        with routed(routing, base, torch.arange(start, stop), slice(P - p, P), shared=True):
+        with routed(routing, base, torch.arange(start, stop, device=prompt_ids.device), slice(P - p, P), shared=True):
             prompt, offset = _prompt_forward(base, decoder, prompt_ids[start : start + 1, P - p :], image_row)
         last_hidden = prompt.last_hidden_state[:, -1:]  # [1, 1, H]
         for bucket in length_buckets(lengths[start:stop]):
@@ -485,7 +485,7 @@ def _padded_logits(
     if vision and uses_mrope(model):
         position_ids = None  # 3-D positions (Qwen2-VL): the model numbers a batch with images itself
     T = completion_ids.size(1)
-    with routed(routing, model, torch.arange(len(batch)), slice(0, input_ids.size(1))):
+    with routed(routing, model, torch.arange(len(batch), device=input_ids.device), slice(0, input_ids.size(1))):
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,

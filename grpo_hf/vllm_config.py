@@ -19,6 +19,8 @@ from grpo_hf.core import SAMPLING_CORRECTION_MODES, SamplingCorrection
 logger = logging.getLogger(__name__)
 
 VLLMMode = Literal["colocate", "server"]
+LORA_PUSHES = ("merged", "adapter")
+"""The values of vllm_server_lora_push (`rollout.lora_push`)."""
 WEIGHT_TRANSFERS = ("auto", "nccl", "gloo", "files")
 """The values of vllm_server_weight_transfer (`rollout.weight_transfer.TRANSPORTS`, which chooses among them)."""
 
@@ -105,6 +107,15 @@ class VLLMArguments:
         metadata={
             "help": "Server mode: where process 0 writes the weights for the server to load (a directory both can "
             "read). None: /dev/shm, i.e. trainer and server on one machine. Not in TRL (its server is its own)."
+        },
+    )
+    vllm_server_lora_push: str = field(
+        default="merged",
+        metadata={
+            "help": "Server mode with a LoRA policy: 'merged' pushes the base weights with the LoRA deltas merged in "
+            "(the whole model, through the weight transport); 'adapter' pushes the adapter alone (a few MB, written "
+            "to vllm_server_weights_dir, default /dev/shm) and samples through vLLM's LoRA support (a server started "
+            "with --enable-lora --max-lora-rank R). Not in TRL."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -201,6 +212,7 @@ class VLLMArguments:
             raise ValueError(f"vllm_group_port={self.vllm_group_port} is not a TCP port (1 to 65535).")
         if self.vllm_server_timeout <= 0:
             raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds.")
+        self._check_lora_push()
         if self.vllm_cpu_kvcache_space < 1:
             raise ValueError(f"vllm_cpu_kvcache_space={self.vllm_cpu_kvcache_space} must be >= 1 GiB.")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -209,6 +221,20 @@ class VLLMArguments:
                 "GPU memory vLLM may take in colocate mode (TRL's default: 0.3)."
             )
         self._check_vllm_length()
+
+    def _check_lora_push(self) -> None:
+        """`vllm_server_lora_push` is one of its values, and 'adapter' only in server mode (colocated vLLM takes the
+        merged weights in memory)."""
+        if self.vllm_server_lora_push not in LORA_PUSHES:
+            raise ValueError(
+                f"vllm_server_lora_push={self.vllm_server_lora_push!r} is not one of {list(LORA_PUSHES)}."
+            )
+        if self.vllm_server_lora_push == "adapter" and self.use_vllm and self.vllm_mode != "server":
+            raise ValueError(
+                "vllm_server_lora_push='adapter' pushes a LoRA adapter to a vLLM server (vllm_mode='server'); "
+                f"vllm_mode={self.vllm_mode!r} takes the merged weights in memory. Remove the setting or use "
+                "vllm_mode='server'."
+            )
 
     def _check_vllm_length(self) -> None:
         """vllm_max_model_length leaves room for a prompt beside a whole completion. Whether the data's prompts fit is

@@ -56,6 +56,8 @@ def serve_command(model: str, host: str, port: int, extra: list[str], *, gpu: bo
     if not any(flag.split("=")[0] == "--weight-transfer-config" for flag in extra):
         # vLLM's weight-transfer protocol: NCCL on GPUs, grpo_hf's gloo engine (its vLLM plugin) on a CPU
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl" if gpu else "gloo"})]
+    if "--enable-lora" in extra:  # the trainer loads its adapter at runtime (vllm_server_lora_push='adapter')
+        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if not gpu:
         argv.append("--enforce-eager")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import torch
 
 from grpo_hf.parallel import stop_together
+from grpo_hf.rollout.lora_push import push_adapter, served_name
 from grpo_hf.rollout.weight_transfer import (
     NetworkPush,
     address_towards,
@@ -110,7 +111,8 @@ class VLLMServer:
 
     # ---- HTTP --------------------------------------------------------------------------------------------------
     def request(self, route: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        """GET (no body) or POST a JSON body to `route`; the decoded JSON answer (None for an empty one)."""
+        """GET (no body) or POST a JSON body to `route`; the decoded JSON answer (None for an empty one, the text for
+        one that is not JSON)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         try:
@@ -127,7 +129,10 @@ class VLLMServer:
                 "it is running (`python -m grpo_hf.vllm_serve --model ...`), that vllm_server_base_url (or "
                 "vllm_server_host / vllm_server_port) names it, and raise vllm_server_timeout if it is only slow."
             ) from error
-        return json.loads(text) if text.strip() else None
+        try:
+            return json.loads(text) if text.strip() else None
+        except json.JSONDecodeError:  # a plain-text answer (/v1/load_lora_adapter's)
+            return text
 
     def connect(self) -> str:
         """Wait for the server (up to `vllm_server_timeout`), check its version and dev routes; its model's id."""
@@ -196,16 +201,19 @@ class VLLMServer:
             NETWORK_LINKS[key] = link
         return NETWORK_LINKS[key]
 
-    def push(self, model) -> float:
+    def push(self, model, merge_lora: bool = True) -> float:
         """Process 0 writes the weights as shards and has the server reload them; every process walks the weights
-        (a sharded parameter is gathered collectively). Returns the seconds it took."""
+        (a sharded parameter is gathered collectively). Returns the seconds it took. A LoRA adapter alone with
+        vllm_server_lora_push='adapter' (`lora_push`); `merge_lora=False`: a LoRA policy's base weights alone."""
+        if merge_lora and getattr(self.args, "vllm_server_lora_push", "merged") == "adapter":
+            return push_adapter(self, model)
         start, failure = time.perf_counter(), None
         if not self.is_main:
-            for _ in named_weights(model):  # take part in the gathers of sharded parameters
+            for _ in named_weights(model, merge_lora=merge_lora):  # take part in the gathers of sharded parameters
                 pass
         else:
             try:
-                self.push_from_main(named_weights(model), model)
+                self.push_from_main(named_weights(model, merge_lora=merge_lora), model)
             except Exception as error:
                 failure = error
         self._together(failure, "pushing the weights to the vLLM server")
@@ -251,7 +259,7 @@ class VLLMServer:
 
     def complete(self, prompts: list[list[int]], counts: list[int], seeds: list[int], settings: dict[str, Any]):
         """One completions request per prompt, with its seed (sent together: the server batches them)."""
-        body = {**settings, "model": self.model_id, "logprobs": 0, "return_token_ids": True}
+        body = {**settings, "model": served_name(self.args, self.model_id), "logprobs": 0, "return_token_ids": True}
         body["skip_special_tokens"] = False
 
         def one(request):

@@ -56,13 +56,15 @@ class _Item:
         return merged + sum(full_numel(p) * p.element_size() for p in self.sources())
 
 
-def named_weights(model, bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(
+    model, bucket_bytes: int = BUCKET_BYTES, merge_lora: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their checkpoint names, gathered a bucket at a time (`weight_buckets`)."""
-    for bucket in weight_buckets(model, bucket_bytes):
+    for bucket in weight_buckets(model, bucket_bytes, merge_lora):
         yield from bucket
 
 
-def weight_buckets(model, bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
+def weight_buckets(model, bucket_bytes: int = BUCKET_BYTES, merge_lora: bool = True) -> Iterator[Bucket]:
     """The model's weights as lists of (checkpoint name, full tensor), gathered one bucket at a time: at most
     `bucket_bytes` gathered at once (a LoRA layer's A and B and its merged copy counted; a weight larger than that
     alone) (see the module docstring). Every process must walk them.
@@ -70,11 +72,12 @@ def weight_buckets(model, bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
     Tied weights come under each of their names: vLLM's in-place reload re-creates its parameters layer by layer, which
     unties its lm_head from the embeddings (a push without `lm_head.weight` leaves it random). A PEFT model yields its
     base weights with the active adapters' LoRA deltas merged in (W + scale B A, `peft_utils.merged_lora_weight`); the
-    model itself stays unmerged.
+    model itself stays unmerged. `merge_lora=False`: its base weights as they are (a server that applies the adapter
+    itself, `lora_push`).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0: the bytes of full weights gathered at once.")
-    for items in _packed(_plan(model), bucket_bytes):
+    for items in _packed(_plan(model, merge_lora), bucket_bytes):
         with _gathered(items) as full:
             bucket = []
             for item in items:
@@ -87,23 +90,23 @@ def weight_buckets(model, bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
             del bucket, full
 
 
-def _plan(model) -> list[_Item]:
+def _plan(model, merge_lora: bool) -> list[_Item]:
     """The weights vLLM loads, in the model's order: one item per parameter, its tied names with it."""
     if hasattr(model, "peft_config"):
-        return _lora_plan(model)
+        return _lora_plan(model, merge_lora)
     items: dict[int, _Item] = {}
     for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name (lm_head)
         items.setdefault(id(param), _Item([], param)).names.append(name)
     return list(items.values())
 
 
-def _lora_plan(model) -> list[_Item]:
+def _lora_plan(model, merge: bool) -> list[_Item]:
     from peft.tuners.lora import LoraLayer
 
     adapters = active_adapters(model)
     base = model.get_base_model()
     layers = {}  # base weight's name -> (its LoRA layer, the layer's active adapters)
-    for module_name, module in base.named_modules():
+    for module_name, module in base.named_modules() if merge else ():
         if isinstance(module, LoraLayer) and (merged := [a for a in adapters if a in module.lora_A]):
             layers[f"{module_name}.base_layer.weight"] = module, merged
     items: dict[int, _Item] = {}
@@ -128,13 +131,19 @@ def _packed(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
         yield group
 
 
-@contextlib.contextmanager
-def _gathered(items: list[_Item]) -> Iterator[dict[int, torch.Tensor]]:
+def _gathered(items: list[_Item]):
     """id(parameter) -> its full tensor, for every source of `items`, for the duration of the block."""
-    sources = list({id(p): p for item in items for p in item.sources()}.values())
-    partitioned = [p for p in sources if hasattr(p, "ds_id")]  # DeepSpeed ZeRO-3: gathered in place
+    return gathered(list({id(p): p for item in items for p in item.sources()}.values()))
+
+
+@contextlib.contextmanager
+def gathered(params: list[torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+    """id(parameter) -> its full tensor (detached), for each of `params`, for the duration of the block: a DTensor's
+    `full_tensor()`, a ZeRO-3 parameter gathered in place, any other as it is. Collective where the parameters are
+    sharded: every process calls it with the same parameters."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]  # DeepSpeed ZeRO-3: gathered in place
     with _zero3_gathered(partitioned):
-        yield {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in sources}
+        yield {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in params}
 
 
 def _zero3_gathered(params: list[torch.Tensor]):
