@@ -24,6 +24,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, Sampler
 
+from grpo_hf.rollout.routes import realign as realign_routes
+from grpo_hf.rollout.routes import trim as trim_routes
+
 T = TypeVar("T")
 
 
@@ -127,6 +130,9 @@ _COMPLETION_COLUMNS = {
     "sampling_logps": 0.0,
     "old_sampling_logps": 0.0,
 }
+# Per-token tensors of both halves, [B, P + T, L, k] aligned with cat(prompt_ids, completion_ids): MoE routes, padded
+# with -1 on each side as the tokens are (`rollout.routes`).
+_ROUTE_COLUMNS = ("routes", "old_routes")
 
 
 def split_into_micro_batches(
@@ -142,6 +148,9 @@ def split_into_micro_batches(
         first = int(used_p.min()) if used_p.numel() else 0
         used_c = part.attention_mask.any(dim=0).nonzero()
         last = int(used_c.max()) + 1 if used_c.numel() else 1
+        for name in _ROUTE_COLUMNS:  # [b, P + T, L, k]: cut on both sides of the prompt's width
+            if getattr(part, name) is not None:
+                setattr(part, name, trim_routes(getattr(part, name), part.prompt_ids.size(1), first, last))
         part.prompt_ids, part.prompt_mask = part.prompt_ids[:, first:], part.prompt_mask[:, first:]
         for name in _COMPLETION_COLUMNS:
             if getattr(part, name) is not None:
@@ -179,6 +188,10 @@ def pad_to_multiple(batch: MicroBatch, multiple: int | None, pad_token_id: int) 
         value = getattr(batch, name)
         if value is not None:
             padded[name] = pad_columns(value, width(value), pad_token_id if fill is None else fill, left=False)
+    widths = (batch.prompt_ids.size(1), width(batch.prompt_ids), width(batch.completion_ids))
+    for name in _ROUTE_COLUMNS:
+        if getattr(batch, name) is not None:
+            padded[name] = realign_routes(getattr(batch, name), *widths)
     return replace(batch, **padded)
 
 

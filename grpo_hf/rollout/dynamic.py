@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from grpo_hf.rollout.batching import pad_columns
+from grpo_hf.rollout.routes import realign as realign_routes
 
 # Rows of one rollout round: tensors [N, ...] and lists of N Python objects, all in global row order.
 Rows = dict[str, Any]
@@ -29,6 +30,8 @@ Rows = dict[str, Any]
 # How each padded tensor is padded when rounds of different widths are stacked: prompts on the left.
 _LEFT_PADDED = ("prompt_ids", "prompt_mask")
 _RIGHT_PADDED = ("completion_ids", "completion_mask", "context_mask", "sampling_logps")
+# MoE routes [N, P + T, L, k] (`rollout.routes`): re-padded on both sides, after the ids they are aligned with.
+_ROUTES = ("routes",)
 
 
 def groups_with_signal(total: Tensor, num_generations: int) -> Tensor:
@@ -77,6 +80,9 @@ def stack_rows(parts: Sequence[Rows], pad_token_id: int) -> Rows:
     stacked: Rows = {}
     for key, first in parts[0].items():
         values = [part[key] for part in parts]
+        if key in _ROUTES:  # [n, P + T, L, k]: each side to the widest part's
+            P, T = (max(part[name].size(1) for part in parts) for name in ("prompt_ids", "completion_ids"))
+            values = [realign_routes(part[key], part["prompt_ids"].size(1), P, T) for part in parts]
         if not isinstance(first, Tensor):
             stacked[key] = [item for value in values for item in value]
             continue
@@ -155,6 +161,9 @@ def gather_rows(rows: Rows, accelerator, pad_token_id: int) -> Rows:
         if not isinstance(value, Tensor):
             gathered[key] = gather_object(list(value))
             continue
+        if key in _ROUTES:  # [n, P + T, L, k]: each side to the widest process's (the ids' gathered widths)
+            P, T = (gathered[name].size(1) for name in ("prompt_ids", "completion_ids"))
+            value = realign_routes(value, rows["prompt_ids"].size(1), P, T)
         if key in _LEFT_PADDED or key in _RIGHT_PADDED:
             fill = pad_token_id if key.endswith("_ids") else 0
             value = accelerator.pad_across_processes(value, dim=1, pad_index=fill, pad_first=key in _LEFT_PADDED)

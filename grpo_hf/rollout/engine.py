@@ -12,6 +12,13 @@ probability each completion token was drawn with, after temperature, repetition 
 min-p), 0 off the completion mask; the behaviour policy of an off-policy correction. Off (the default), it is None
 and the engines do no extra work: the tokens sampled are the same either way.
 
+With `engine.record_routes = True` (engines whose `can_record_routes`: `loop`, `generate`, vLLM where it can;
+`make_engine(record_routes=True)` picks one, for routing replay), each call of an MoE model also leaves
+`engine.sampling_routes` [N, P + T, L, k] (`routes.ROUTE_DTYPE`), aligned with cat(prompt_ids, completion_ids): the
+top-k experts of every token the policy read, -1 on padding, a completion's last token and what follows it
+(`rollout.routes`). `continuous_batching` packs requests into one flat row, `cuda_graph`'s captured step runs no
+Python hook and `generate_static`'s compiled one replays CUDA graphs: they record none (`ROUTES_REFUSAL`).
+
 Engines live in their own modules and are imported only when chosen (`ENGINES` maps a name to
 "module:Class"; `register_engine` adds one). Each engine says why it does not apply to a model and
 settings (`unsupported_reason`); `"auto"` walks a chain of engines and takes the first that applies:
@@ -34,6 +41,16 @@ from typing import NamedTuple
 import torch
 
 from grpo_hf.rollout.prompts import completion_mask
+from grpo_hf.rollout.routes import masked, read_mask, realign
+
+# What an engine that cannot record MoE routes says when asked to (routing replay), after its name.
+ROUTES_REFUSAL = (
+    "cannot record the MoE routes routing replay needs (router_replay='r3'): continuous_batching packs every "
+    "request into one flat row, cuda_graph's captured decode step runs no Python hook, and generate_static's "
+    "compiled step replays CUDA graphs, whose outputs the next step overwrites. Use rollout_engine='loop' or "
+    "'generate' (or 'auto', which picks one that records them), or router_replay='r2' (which replays the old "
+    "policy's routes and records none in the rollout)."
+)
 
 
 class Completions(NamedTuple):
@@ -63,6 +80,9 @@ class RolloutEngine:
     # True: with `record_logps` on, `sample` sets `self.sampling_logps` [N, T] to the log-probs its tokens were drawn
     # with (vLLM sets them on every call).
     can_record_logps = False
+    # True: with `record_routes` on, `sample` sets `self.sampling_routes` [N, P + T, L, k] to the MoE routes of the
+    # forwards it ran (`routes.StepRoutes`); `generate` masks what was not read.
+    can_record_routes = False
 
     def __init__(self, generation_config, eos_token_ids: Sequence[int]):
         self.generation_config = generation_config
@@ -71,6 +91,9 @@ class RolloutEngine:
         # Set by the caller: record the sampler's log-probs of each call's tokens (`sampling_logps`).
         self.record_logps = False
         self.sampling_logps: torch.Tensor | None = None  # [N, T] float32 of the last call; None: not recorded
+        # Set by the caller (an MoE policy): record the routes of each call's tokens (`sampling_routes`).
+        self.record_routes = False
+        self.sampling_routes: torch.Tensor | None = None  # [N, P + T, L, k] of the last call; None: not recorded
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:
@@ -102,14 +125,9 @@ class RolloutEngine:
         text-only row), given only to engines that take them (`takes_images`). `draws`: each row's random stream
         (`sampling.RowDraws`), for the engines that take them (`takes_draws`); the others draw from the global
         generator. With `record_logps`, the call's log-probs are left in `sampling_logps` (0 off the completion
-        mask)."""
-        if self.record_logps and not self.can_record_logps:
-            raise ValueError(
-                f"The {self.name!r} rollout engine does not record the sampler's log-probs, and record_logps=True "
-                "asks for them. Use an engine that does (loop, generate, generate_static, cuda_graph, "
-                "continuous_batching, vllm), or make_engine(..., record_logps=True), which skips those that do not."
-            )
-        self.sampling_logps = None
+        mask); with `record_routes`, its routes in `sampling_routes` (-1 where no token was read)."""
+        self._check_recording()
+        self.sampling_logps = self.sampling_routes = None
         was_training, config = model.training, self.generation_config
         if max_new_tokens is not None and max_new_tokens != config.max_new_tokens and not self.fixed_length:
             self.generation_config = copy.copy(config)
@@ -127,15 +145,46 @@ class RolloutEngine:
         if completion_ids.size(1) == 0:  # the model produced nothing at all
             N, device = prompt_ids.size(0), prompt_ids.device
             completion_ids = torch.full((N, 1), pad, dtype=torch.long, device=device)
+            mask = torch.zeros_like(completion_ids)
             if self.record_logps:
                 self.sampling_logps = torch.zeros((N, 1), dtype=torch.float32, device=device)
-            return Completions(
-                completion_ids, torch.zeros_like(completion_ids), torch.ones(N, dtype=torch.bool, device=device)
-            )
+            if self.sampling_routes is not None:  # the prompt's, if the engine ran a forward: no token was read after
+                P = prompt_ids.size(1)
+                self.sampling_routes = realign(self.sampling_routes, P, P, 1)
+                self.sampling_routes = masked(self.sampling_routes, read_mask(prompt_mask, mask))
+            return Completions(completion_ids, mask, torch.ones(N, dtype=torch.bool, device=device))
         mask, is_truncated = completion_mask(completion_ids, self.eos_token_ids)
         if self.record_logps:
             self._mask_logps(completion_ids, mask)
+        if self.record_routes:
+            self._mask_routes(prompt_mask, mask)
         return Completions(completion_ids.masked_fill(mask == 0, pad), mask, is_truncated)
+
+    def _check_recording(self) -> None:
+        """Refuse a recording this engine cannot do, by name, with the engines that can."""
+        if self.record_logps and not self.can_record_logps:
+            raise ValueError(
+                f"The {self.name!r} rollout engine does not record the sampler's log-probs, and record_logps=True "
+                "asks for them. Use an engine that does (loop, generate, generate_static, cuda_graph, "
+                "continuous_batching, vllm), or make_engine(..., record_logps=True), which skips those that do not."
+            )
+        if self.record_routes and not self.can_record_routes:
+            raise ValueError(f"The {self.name!r} rollout engine {ROUTES_REFUSAL}")
+
+    def _mask_routes(self, prompt_mask: torch.Tensor, mask: torch.Tensor) -> None:
+        """`sampling_routes` [N, P + T, L, k], -1 where no token was read (`routes.read_mask`); checked against the
+        tokens. A model with no MoE layer records nothing (None)."""
+        routes = self.sampling_routes
+        if routes is None:
+            return
+        N, P, T = mask.size(0), prompt_mask.size(1), mask.size(1)
+        if routes.dim() != 4 or routes.shape[:2] != (N, P + T):
+            raise RuntimeError(
+                f"The {self.name!r} rollout engine was asked to record its MoE routes (record_routes) and left "
+                f"{tuple(routes.shape)} for prompts {tuple(prompt_mask.shape)} and completions {tuple(mask.shape)}: "
+                "its `sample` must set `self.sampling_routes` [N, P + T, L, k] when recording."
+            )
+        self.sampling_routes = masked(routes.to(mask.device), read_mask(prompt_mask, mask))
 
     def _mask_logps(self, completion_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """`sampling_logps` as float32 on the ids' device, 0 off the completion mask; checked against the ids."""
@@ -187,6 +236,7 @@ def make_engine(
     device: torch.device | None = None,
     blocked_token_ids: Sequence[int] = (),
     record_logps: bool = False,
+    record_routes: bool = False,
     **options,
 ) -> tuple[RolloutEngine, str]:
     """The engine to use, and one line saying which and why (for the log).
@@ -196,18 +246,28 @@ def make_engine(
     when it accepts them (e.g. `compile` for `cuda_graph`). `device` (default: the model's) picks the chain.
     `blocked_token_ids` (a vision-language model's image tokens) rule out engines that do not take images, and the
     engine chosen never samples them. `record_logps` rules out engines that cannot record the sampler's log-probs
-    (`can_record_logps`) and turns recording on in the one chosen. The choice is `choose_engine`'s.
+    (`can_record_logps`) and turns recording on in the one chosen; `record_routes` (routing replay: the MoE routes
+    are needed) the same for the routes (`can_record_routes`), a named engine that cannot record them being refused.
+    The choice is `choose_engine`'s.
     """
     candidate, why = choose_engine(
         name, model, generation_config, sharded=sharded, device=device,
-        blocked_token_ids=blocked_token_ids, record_logps=record_logps,
+        blocked_token_ids=blocked_token_ids, record_logps=record_logps, record_routes=record_routes,
     )  # fmt: skip
     cls = engine_class(candidate)
     accepted = {k: v for k, v in options.items() if k in getattr(cls, "options", ())}
     engine = cls(generation_config, eos_token_ids, **accepted)
     engine.blocked_token_ids = list(blocked_token_ids)
     engine.record_logps = record_logps
+    engine.record_routes = record_routes
     return engine, why
+
+
+def check_records_routes(name: str) -> None:
+    """Refuse `rollout_engine=name` for routing replay when it names an engine that cannot record MoE routes (by
+    name, with the alternatives); "auto" picks one that can."""
+    if name != "auto" and not engine_class(name).can_record_routes:
+        raise ValueError(f"rollout_engine={name!r} {ROUTES_REFUSAL}")
 
 
 def choose_engine(
@@ -219,9 +279,13 @@ def choose_engine(
     device: torch.device | None = None,
     blocked_token_ids: Sequence[int] = (),
     record_logps: bool = False,
+    record_routes: bool = False,
 ) -> tuple[str, str]:
     """The name of the engine `make_engine` builds for these arguments, and its log line (the engine, and why each
-    one before it in the chain was skipped), without building it."""
+    one before it in the chain was skipped), without building it. With `record_routes`, an engine named (not "auto")
+    that cannot record MoE routes is refused by name, and "auto" skips those."""
+    if record_routes:
+        check_records_routes(name)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     chain = _CHAINS["cuda" if device.type == "cuda" else "other"]
     if name == "auto":
@@ -240,6 +304,8 @@ def choose_engine(
             reason = "it does not take images (a vision-language model)"
         if reason is None and record_logps and not cls.can_record_logps:
             reason = "it does not record the sampler's log-probs (record_logps=True)"
+        if reason is None and record_routes and not cls.can_record_routes:
+            reason = "it does not record MoE routes (routing replay)"
         if reason is None:
             why = f"rollout engine: {candidate}" + (f" (requested {name})" if name != candidate else "")
             if skipped:

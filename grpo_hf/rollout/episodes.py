@@ -61,14 +61,16 @@ from typing import Any
 import torch
 
 from grpo_hf.rollout.batching import pad_token_lists
+from grpo_hf.rollout.routes import masked, no_routes, read_mask
 from grpo_hf.rollout.sampling import RowDraws, draw_seed
 from grpo_hf.rollout.tools import ToolCaller, ToolCalls, ToolStats, parse_turn, tool_reply_ids
 from grpo_hf.rollout.vision import tool_reply_inputs
 from grpo_hf.vision import ImageRow, has_images, merge_rows
 
 # generate(prompt_ids [n, P], prompt_mask [n, P], max_new_tokens, images: [n] `ImageRow` or None, or None, draws) ->
-# (completion_ids [n, T], completion_mask [n, T], sampler log-probs [n, T] or None): one engine call; `draws`
-# (RowDraws) are the rows' random streams, for an engine that takes them (`RolloutEngine.generate(draws=...)`).
+# (completion_ids [n, T], completion_mask [n, T], sampler log-probs [n, T] or None[, MoE routes [n, P + T, L, k] or
+# None]): one engine call; `draws` (RowDraws) are the rows' random streams, for an engine that takes them
+# (`RolloutEngine.generate(draws=...)`); the routes (`RolloutEngine.sampling_routes`), by an engine that records them.
 Generate = Callable[
     [torch.Tensor, torch.Tensor, int, list | None, RowDraws],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -93,6 +95,9 @@ class Episodes:
     turns: list[int]  # [B] the model's turns in each episode
     timed_out_owners: list[Any]  # the objects (environment instances) whose bound methods timed out, once each
     image_inputs: list[ImageRow | None] | None = None  # [B] the images of each episode's tool replies; None: none
+    # [B, P + T, L, k] the MoE routes of every token the model read (prompt, turns, the replies later turns read),
+    # aligned with cat(prompt_ids, completion_ids), -1 elsewhere (`rollout.routes`); None: not recorded
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,6 +119,19 @@ class _Episode:
     last_calls: ToolCalls | None = None  # the calls of the previous round (a timed-out one may still run)
     stats: dict[str, ToolStats] = field(default_factory=dict)  # per tool name: what its calls did
     timed_out: list[Callable] = field(default_factory=list)  # the tools whose calls timed out
+    routes: torch.Tensor | None = None  # [c, L, k] the MoE routes of its context's first c tokens, -1: none yet
+
+    def add_routes(self, routes: torch.Tensor) -> None:
+        """Take an engine call's routes [c', L, k] of this episode's first c' tokens (its context and turn): a token
+        keeps the routes it was first read with (a turn that prefills the whole context again reads the earlier
+        tokens again; with the episode cache, only its new tokens), -1 where none was recorded."""
+        if self.routes is None:
+            self.routes = routes
+            return
+        known = self.routes[: routes.size(0)]
+        merged = routes.clone()
+        merged[: known.size(0)] = torch.where(known >= 0, known, routes[: known.size(0)])
+        self.routes = torch.cat([merged, self.routes[merged.size(0) :]])  # a shorter call keeps the known rest
 
     @property
     def context(self) -> list[int]:
@@ -150,6 +168,7 @@ class EpisodeRunner:
         self.caller = ToolCaller(tool_timeout)
         self.parse = parse_turn  # (tokenizer, turn ids, context ids, tools) -> the assistant message of a turn
         self._has_logps = False  # whether the engine gave its log-probs (vLLM)
+        self._has_routes = False  # whether every engine call gave its MoE routes
         self.device = None  # the run's device, where the image inputs of tool replies go
 
     def run(
@@ -167,12 +186,13 @@ class EpisodeRunner:
         episodes, counts = self._start(prompt_ids, prompt_mask, tools), [0, 0]
         ready, in_flight = list(episodes), []
         self._has_logps = True  # the sampler's log-probs are kept when every engine call (and first turn) gave them
+        self._has_routes = first_turns is None  # the routes, when every engine call gave them (not a rollout_func's)
         if first_turns is not None:
             starts = zip(episodes, first_turns, strict=True)
             ready, in_flight = [], [e for e, (ids, sampled, logps) in starts if self.end_turn(e, ids, logps, sampled)]
         with _forked_rng(prompt_ids.device):
             self._rounds(generate, ready, counts, draw_seed(), in_flight)
-        return self._as_rows(episodes, prompt_ids.device, *counts)
+        return self._as_rows(episodes, prompt_mask, *counts)
 
     def _rounds(self, generate: Generate, ready: list[_Episode], counts: list[int], seed: int, in_flight=()) -> None:
         """Sample the turns of the `ready` episodes, one engine call per round of ready turns, until all are done
@@ -194,15 +214,18 @@ class EpisodeRunner:
         tools,
         generate: Generate | None = None,
         record_logps: bool = False,
+        record_routes: bool = False,
     ) -> Episodes:
         """`run` on an engine that decodes turns as they come (`decode(source)`, the `loop` engine's
         `decode_turns`): a turn whose tools have returned joins the decoding batch at the next token step, and a
         turn's tools start as soon as it ends. Episodes whose tool replies brought images go on afterwards by
         `generate` (as in `run`): the joining decoder prefills text only. `record_logps`: keep the log-probs the
         decoder gives each turn (`_Turns.turn_done`) as the episodes' `sampling_logps` (and those of `generate`'s
-        calls, which must then give them); False: None, as the policy's own draw needs no correction."""
+        calls, which must then give them); False: None, as the policy's own draw needs no correction.
+        `record_routes`: the decoder gives each turn's MoE routes too (`_Turns.turn_done`), kept as `Episodes.routes`
+        (with those of `generate`'s calls, which must then give them)."""
         episodes = self._start(prompt_ids, prompt_mask, tools)
-        self._has_logps = record_logps
+        self._has_logps, self._has_routes = record_logps, record_routes
         source = _Turns(self, episodes, draw_seed())
         with _forked_rng(prompt_ids.device):
             decode(source)
@@ -220,7 +243,7 @@ class EpisodeRunner:
                         "with them."
                     )
                 self._rounds(generate, [episodes[k] for k in source.held], source.counts, source.seed)
-        return self._as_rows(episodes, prompt_ids.device, *source.counts)
+        return self._as_rows(episodes, prompt_mask, *source.counts)
 
     def _start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tools) -> list[_Episode]:
         self.device = prompt_ids.device
@@ -247,16 +270,20 @@ class EpisodeRunner:
         ids, mask = pad_token_lists([e.context for e in ready], self.tokenizer.pad_token_id, left=True)
         images = [e.image_row for e in ready]  # [n] the images of each episode's tool replies
         draws = self.draws(seed, ready)
-        completion_ids, completion_mask, logps = generate(
+        completion_ids, completion_mask, logps, *routes = generate(
             ids, mask, max(budgets), images if has_images(images) else None, draws
-        )  # [n, T] each
+        )  # [n, T] each; routes (if given): [[n, W + T, L, k] or None]
         self._has_logps = self._has_logps and logps is not None
+        routes = routes[0] if routes else None
+        self._has_routes = self._has_routes and routes is not None
         completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu()
         logps = logps.cpu() if logps is not None else None
         calling = []
         for row, (episode, budget) in enumerate(zip(ready, budgets, strict=True)):
             n = min(int(completion_mask[row].sum()), budget)
             turn_logps = logps[row, :n].tolist() if logps is not None else [0.0] * n
+            if routes is not None:  # the row's context, right-aligned to the W prompt columns, and its turn
+                episode.add_routes(routes[row, ids.size(1) - len(episode.context) : ids.size(1) + n])
             if self.end_turn(episode, completion_ids[row, :n].tolist(), turn_logps):
                 calling.append(episode)
         return calling
@@ -314,8 +341,8 @@ class EpisodeRunner:
             return tool_reply_ids(self.tokenizer, replies, self.template_kwargs), None
         return tool_reply_inputs(self.processor, replies, self.template_kwargs)
 
-    def _as_rows(self, episodes: list[_Episode], device, tool_calls: int, tool_failures: int) -> Episodes:
-        pad = self.tokenizer.pad_token_id
+    def _as_rows(self, episodes: list[_Episode], prompt_mask, tool_calls: int, tool_failures: int) -> Episodes:
+        pad, device = self.tokenizer.pad_token_id, prompt_mask.device
         completion_ids, attended = pad_token_lists([e.ids for e in episodes], pad, left=False)  # [B, T] each
         sampled, _ = pad_token_lists([e.sampled for e in episodes], 0, left=False)
         T = completion_ids.size(1)
@@ -323,6 +350,10 @@ class EpisodeRunner:
         logps = torch.zeros((len(episodes), T), dtype=torch.float32)
         for i, episode in enumerate(episodes):
             logps[i, : len(episode.logps)] = torch.tensor(episode.logps, dtype=torch.float32)
+        routes = None
+        if self._has_routes and any(e.routes is not None for e in episodes):
+            context_mask = (attended - sampled).to(device)
+            routes = _episode_routes(episodes, prompt_mask, sampled.to(device), context_mask)
         return Episodes(
             completion_ids=completion_ids.to(device),
             completion_mask=sampled.to(device),
@@ -336,7 +367,23 @@ class EpisodeRunner:
             turns=[sum(m.get("role") == "assistant" for m in e.messages) for e in episodes],
             timed_out_owners=_owners([tool for e in episodes for tool in e.timed_out]),
             image_inputs=images if has_images(images) else None,
+            routes=routes,
         )
+
+
+def _episode_routes(episodes: list[_Episode], prompt_mask, completion_mask, context_mask) -> torch.Tensor:
+    """[B, P + T, L, k]: each episode's routes (its prompt's right-aligned to the P prompt columns, its completion's
+    from column P on), -1 where no token was read (`routes.read_mask`: padding, the episode's last token)."""
+    like = next(e.routes for e in episodes if e.routes is not None)
+    P, T = prompt_mask.size(1), completion_mask.size(1)
+    rows = no_routes(len(episodes), P + T, like[None].to(prompt_mask.device))  # [B, P + T, L, k]
+    for i, episode in enumerate(episodes):
+        if episode.routes is None:
+            continue
+        length = min(episode.routes.size(0), len(episode.prompt) + len(episode.ids))
+        start = P - len(episode.prompt)
+        rows[i, start : start + length] = episode.routes[:length].to(rows.device)
+    return masked(rows, read_mask(prompt_mask, completion_mask, context_mask))
 
 
 def _summed(stats: list[dict[str, ToolStats]]) -> dict[str, ToolStats]:
@@ -380,9 +427,12 @@ class _Turns:
         """The random streams of the episodes `keys` (as `poll` gave them), each at its episode's next draw."""
         return self.runner.draws(self.seed, [self.episodes[k] for k in keys])
 
-    def turn_done(self, k: int, turn: list[int], logps: list[float]) -> bool:
+    def turn_done(self, k: int, turn: list[int], logps: list[float], routes: torch.Tensor | None = None) -> bool:
         """Take episode k's turn; True when it called tools (it comes back for another turn unless its reply is
-        rolled back), so that the decoder keeps its cache."""
+        rolled back), so that the decoder keeps its cache. `routes` [c, L, k]: the MoE routes of the episode's first
+        c tokens (context and turn, -1 where this turn's forwards read none), when the decoder records them."""
+        if routes is not None:
+            self.episodes[k].add_routes(routes)
         if self.runner.end_turn(self.episodes[k], turn, logps):
             self.in_flight.append(k)
             return True

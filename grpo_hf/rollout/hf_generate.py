@@ -21,6 +21,8 @@ of the global generator (`sampling.DrawFromStreams`, a logits processor that dra
 
 With `record_logps`, a logits processor placed before the draw (`sampling.RecordLogps`) applies the sampling warpers
 to a copy of the scores and keeps the log-prob of each drawn token (no `output_scores`: it holds one [N, V] row set).
+With `record_routes` (an MoE policy), the routers' top-k of every forward `generate` runs are recorded
+(`routers.recording`): its rows are never reordered, so they are the prompts' routes then each fed token's, in order.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers import LogitsProcessorList, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_hf.rollout.engine import RolloutEngine
+from grpo_hf.rollout.routes import recording_steps
 from grpo_hf.rollout.sampling import (
     DrawFromStreams,
     RecordLogps,
@@ -71,6 +74,7 @@ class GenerateEngine(RolloutEngine):
     takes_images = True
     takes_draws = True
     can_record_logps = True
+    can_record_routes = True
     cache_implementation: str | None = None  # None: the generation config's own
     cache_bucket = 64  # a static cache's length is rounded up to a multiple of this
 
@@ -101,13 +105,28 @@ class GenerateEngine(RolloutEngine):
             config.cache_implementation = None
             max_len = -(-(prompt_ids.size(1) + config.max_new_tokens) // self.cache_bucket) * self.cache_bucket
             kwargs["past_key_values"] = static_cache(model.config, max_len)
-        output = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
-        )  # [N, P + T]
-        completion_ids = output[:, prompt_ids.size(1) :]  # [N, T]
+        completion_ids = self._generate(model, prompt_ids, prompt_mask, config, kwargs)  # [N, T]
         if record is not None and completion_ids.size(1):
             self.sampling_logps = record.logps(completion_ids)
         return completion_ids
+
+    def _generate(self, model, prompt_ids, prompt_mask, config, kwargs) -> torch.Tensor:
+        """`model.generate`'s completion ids [N, T]; with `record_routes`, the MoE routes of its forwards (the
+        prompts', then one token a row per step but the last) in `sampling_routes`, its step never compiled (a static
+        cache on CUDA would be: CUDA graphs overwrite the routers' outputs a hook keeps)."""
+        (N, P), T = prompt_ids.shape, config.max_new_tokens
+        if self.record_routes:
+            config = copy.copy(config)
+            config.disable_compile = True
+        with recording_steps(model, self.record_routes, N, P + T) as routes:
+            output = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
+            )  # [N, P + T]
+            if routes is not None:
+                routes.prefill(N)
+        if routes is not None:
+            self.sampling_routes = routes.result(output.size(1))
+        return output[:, P:]
 
 
 class StaticGenerateEngine(GenerateEngine):
@@ -115,6 +134,9 @@ class StaticGenerateEngine(GenerateEngine):
 
     name = "generate_static"
     cache_implementation = "static"
+    # On CUDA its decode step is compiled with CUDA graphs, whose outputs (the routers' indices a hook would keep) the
+    # next step overwrites: it records no MoE routes (`engine.ROUTES_REFUSAL`).
+    can_record_routes = False
 
     @classmethod
     def unsupported_reason(cls, model, generation_config) -> str | None:

@@ -14,6 +14,7 @@ On a GPU it is bound by kernel launches: use `cuda_graph`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from grpo_hf.cache_layers import (
 )
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.episode_cache import DEFAULT_BUDGET_GB, EpisodeCache, cache_entry, row_entry
+from grpo_hf.rollout.routes import ROUTE_DTYPE, StepRoutes, masked, no_routes, recording_steps
 from grpo_hf.rollout.sampling import (
     cache_keyword,
     prefill_distinct_prompts,
@@ -45,6 +47,7 @@ from grpo_hf.rollout.sampling import (
     unsupported_reason,
 )
 from grpo_hf.rollout.sampling_spec import SamplingSpec
+from grpo_hf.routers import recording
 from grpo_hf.vision import has_images, position_offsets
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ class LoopEngine(RolloutEngine):
     name = "loop"
     takes_images = True
     can_record_logps = True
+    can_record_routes = True
     options = ("args", "episode_cache_bytes")
 
     def __init__(self, generation_config, eos_token_ids: Sequence[int], args=None, episode_cache_bytes=None):
@@ -78,18 +82,23 @@ class LoopEngine(RolloutEngine):
         if self.record_logps:
             shape = (prompt_ids.size(0), self.generation_config.max_new_tokens)
             logps = torch.zeros(shape, dtype=torch.float32, device=prompt_ids.device)  # [N, max_new_tokens]
-        completion_ids = sample_groups(
-            model,
-            prompt_ids,
-            prompt_mask,
-            self.generation_config,
-            self.eos_token_ids,
-            images=images,
-            blocked_token_ids=self.blocked_token_ids,
-            logps=logps,
-        )  # [N, T]
+        (N, P), T = prompt_ids.shape, self.generation_config.max_new_tokens
+        with recording_steps(model, self.record_routes, N, P + T) as routes:
+            completion_ids = sample_groups(
+                model,
+                prompt_ids,
+                prompt_mask,
+                self.generation_config,
+                self.eos_token_ids,
+                images=images,
+                blocked_token_ids=self.blocked_token_ids,
+                logps=logps,
+                routes=routes,
+            )  # [N, T]
         if logps is not None:
             self.sampling_logps = logps[:, : completion_ids.size(1)]
+        if routes is not None:
+            self.sampling_routes = routes.result(P + completion_ids.size(1))  # [N, P + T, L, k]
         return completion_ids
 
     def decode_turns(self, model, source) -> None:
@@ -98,14 +107,16 @@ class LoopEngine(RolloutEngine):
         model.eval()
         self.episode_cache = EpisodeCache(self.episode_cache_bytes) if self.episode_cache_bytes > 0 else None
         try:
-            decode_turns(
-                model,
-                source,
-                self.generation_config,
-                self.eos_token_ids,
-                blocked_token_ids=self.blocked_token_ids,
-                episode_cache=self.episode_cache,
-            )
+            with recording(model) if self.record_routes else contextlib.nullcontext() as recorder:
+                decode_turns(
+                    model,
+                    source,
+                    self.generation_config,
+                    self.eos_token_ids,
+                    blocked_token_ids=self.blocked_token_ids,
+                    episode_cache=self.episode_cache,
+                    recorder=recorder,
+                )
         finally:
             model.train(was_training)
 
@@ -172,25 +183,25 @@ def sample_groups(
     images=None,
     blocked_token_ids: Sequence[int] = (),
     logps: torch.Tensor | None = None,
+    routes: StepRoutes | None = None,
 ) -> torch.Tensor:
     """Sample one completion per row, the prompt of each run of identical rows prefilled once.
 
-    The same computation as `model.generate` with `do_sample=True` (HF's `_sample` loop): the
-    logits at each step go through the spec's processors (`sampling_spec.SamplingSpec`), softmax, one draw per
-    row; a row that has produced an EOS is padded with `pad_token_id`; the loop stops when every row has
-    finished or after `max_new_tokens` steps. What differs is how: the U distinct prompts [U, P] are prefilled once and
-    their KV cache repeated to the N rows, the cache is preallocated (`_PreallocatedLayer`) instead of
-    grown by concatenation each step, finished rows leave the decoding batch
-    (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
+    The same computation as `model.generate` with `do_sample=True` (HF's `_sample` loop): the logits at each step go
+    through the spec's processors (`sampling_spec.SamplingSpec`), softmax, one draw per row; a row that has produced an
+    EOS is padded with `pad_token_id`; the loop stops when every row has finished or after `max_new_tokens` steps.
+    What differs is how: the U distinct prompts [U, P] are prefilled once and their KV cache repeated to the N rows,
+    the cache is preallocated (`_PreallocatedLayer`) instead of grown by concatenation each step, finished rows leave
+    the decoding batch (when enough steps remain to pay for copying the cache), and the draw is `sample_categorical`,
     with one uniform number per row and step whether or not the row is still in the batch.
     A VLM's rows' image inputs (`images`) go to the prefill; `blocked_token_ids` (image tokens) are never drawn.
     `logps` [N, max_new_tokens] float32 (None: nothing recorded) gets each token's log-prob under the distribution it
-    was drawn from, at its row and column (`_draw`).
-    Call it in eval mode. Returns `completion_ids [N, T]` with T <= max_new_tokens.
+    was drawn from, at its row and column (`_draw`); `routes` (`routes.StepRoutes` [N, P + T]) each forward's MoE
+    routes, at the columns it fed of the batch's rows. Eval mode. Returns `completion_ids` [N, T <= max_new_tokens].
     """
     (N, P), T, device = prompt_ids.shape, generation_config.max_new_tokens, prompt_ids.device
     cache = _preallocated_cache(model.config, P + T)
-    logits, next_position = _prefill(model, prompt_ids, prompt_mask, cache, images)  # [N, V], [N, 1]
+    logits, next_position = _prefill(model, prompt_ids, prompt_mask, cache, images, routes)  # [N, V], [N, 1]
     eos = torch.tensor(list(eos_token_ids), device=device)
     pad = generation_config.pad_token_id
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((N, T), pad)], dim=1)  # [N, P + T]
@@ -220,6 +231,8 @@ def sample_groups(
         logits = _next_logits(
             model, tokens, attention_mask[rows, : P + t + 1], next_position[rows] + t, cache, keyword
         )
+        if routes is not None:
+            routes.step(rows, P + t)
     return sequences[:, P : P + t + 1]  # [N, T]
 
 
@@ -233,10 +246,13 @@ def _draw(scores, uniform, finished, pad: int, logps, rows, t: int) -> torch.Ten
     return tokens
 
 
-def _prefill(model, prompt_ids, prompt_mask, cache, images) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill(model, prompt_ids, prompt_mask, cache, images, routes=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each distinct prompt prefilled once into `cache`, its rows repeated to the N rows: fp32 logits [N, V] and the
-    position of each row's first completion token [N, 1] (M-RoPE models: shifted by the span of its images)."""
+    position of each row's first completion token [N, 1] (M-RoPE models: shifted by the span of its images). The
+    prefill's MoE routes go to every row of its prompt (`routes`, if any)."""
     logits, prompt_of_row = prefill_distinct_prompts(model, prompt_ids, prompt_mask, cache, images)  # [U, V], [N]
+    if routes is not None:
+        routes.prefill(logits.size(0), prompt_of_row)
     logits = logits.float()
     next_position = prompt_mask.long().sum(-1, keepdim=True)  # [N, 1]
     offsets = position_offsets(model) if has_images(images) else None  # [U, 1]
@@ -268,6 +284,20 @@ class _Decoding:
     turns: list[list[int]]  # [A] this turn's tokens so far
     logps: list[list[float]]  # [A] their log-probs under the sampling distribution
     logits: torch.Tensor  # [A, V] fp32: the next token's
+    # [A, C, L, k] the MoE routes of each column's token (`rollout.routes`, -1: none), when recording; else None
+    routes: torch.Tensor | None = None
+
+
+class _TurnRoutes:
+    """The MoE routes of `decode_turns`' forwards, under `routers.recording` (`recorder`): each forward's, popped
+    right after it, and the shared prefix's (`prefix` [n, L, k]), which the rows on it did not prefill."""
+
+    def __init__(self, recorder):
+        self.recorder, self.prefix = recorder, None
+
+    def of(self, rows: int, mask: torch.Tensor) -> torch.Tensor:
+        """The last forward's routes [rows, s, L, k] (`ROUTE_DTYPE`), -1 where `mask` [rows, s] is 0."""
+        return masked(self.recorder.pop(rows).to(ROUTE_DTYPE), mask != 0)
 
 
 @torch.no_grad()
@@ -278,6 +308,7 @@ def decode_turns(
     eos_token_ids: Sequence[int],
     blocked_token_ids: Sequence[int] = (),
     episode_cache: EpisodeCache | None = None,
+    recorder=None,
 ) -> None:
     """Sample turns as `source` hands them out, each row joining the decoding batch at the next token step.
 
@@ -304,15 +335,20 @@ def decode_turns(
     (`cache_layers.JOINABLE`: full, sliding-window and linear attention, convolution, Mamba, hybrid, KV-shared) is
     cut, stacked, padded and joined by row in `cache_layers`; a cache with another kind takes no rows while some are
     decoding and keeps nothing between turns (one log line says which). Call it in eval mode.
+
+    `recorder` (`routers.recording`'s; None: nothing recorded): each turn also gives `source.turn_done` the MoE routes
+    of its context and turn (`routes=` [c, L, k], -1 on the turn's last token and on the tokens it did not feed: a base
+    of the episode's own, prefilled by an earlier turn; a shared prefix's are given).
     """
+    routes = _TurnRoutes(recorder) if recorder is not None else None
     try:
-        _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache)
+        _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache, routes)
     finally:
         if episode_cache is not None:
             episode_cache.clear()
 
 
-def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache) -> None:
+def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, episode_cache, log=None) -> None:
     """`decode_turns`' loop: join the ready rows, draw a token per row, let the finished turns go, run a step."""
     config = resolve_sampling_settings(model, generation_config)
     device = next(model.parameters()).device
@@ -329,7 +365,8 @@ def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, 
             for key in ended():
                 keeps.drop(key)
         if ready:
-            cache, rows, order = _join(model, cache, rows, ready, config.pad_token_id, keyword, device, store, joins)
+            pad = config.pad_token_id
+            cache, rows, order = _join(model, cache, rows, ready, pad, keyword, device, store, joins, log)
             if streams_of is not None:
                 joined = streams_of(order).to(device)
                 step.draws = joined if step.draws is None else step.draws.cat(joined)
@@ -349,6 +386,8 @@ def _decode(model, source, generation_config, eos_token_ids, blocked_token_ids, 
             if joins:
                 _drop_padding_columns(rows, cache)
         rows.logits = _next_logits(model, tokens, rows.mask, positions, cache, keyword)
+        if log is not None:  # the token fed now is the last column's
+            rows.routes[:, -1] = log.of(tokens.size(0), torch.ones_like(tokens)[:, None])[:, 0]
 
 
 class _Step:
@@ -386,6 +425,8 @@ def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source, cache, sto
     its next turn (unless the source says the episode is over). Returns which rows ended [A] bool."""
     rows.tokens = torch.cat([rows.tokens, tokens[:, None]], dim=1)
     rows.mask = torch.cat([rows.mask, torch.ones_like(tokens)[:, None]], dim=1)
+    if rows.routes is not None:  # the new token's column: routed once it is fed (never, for a turn's last)
+        rows.routes = torch.cat([rows.routes, no_routes(rows.routes.size(0), 1, rows.routes)], dim=1)
     rows.sampled += 1
     finished = torch.isin(tokens, eos) | (rows.sampled >= rows.budgets)  # [A]
     for turn, logps, token, logp in zip(rows.turns, rows.logps, tokens.tolist(), token_logps.tolist(), strict=True):
@@ -394,7 +435,8 @@ def _append_tokens(rows: _Decoding, tokens, token_logps, eos, source, cache, sto
     for row, (key, turn, logps, is_done) in enumerate(
         zip(rows.keys, rows.turns, rows.logps, finished.tolist(), strict=True)
     ):
-        if is_done and source.turn_done(key, turn, logps) is not False and store is not None:
+        extra = {} if rows.routes is None or not is_done else {"routes": rows.routes[row][rows.mask[row] != 0]}
+        if is_done and source.turn_done(key, turn, logps, **extra) is not False and store is not None:
             store.keep(key, row_entry(cache, rows.tokens, rows.mask, row, rows.tokens.size(1) - 1))
     return finished
 
@@ -418,23 +460,25 @@ def _joins_mid_decode(config) -> bool:
 _LOGGED: set[str] = set()  # what `_joins_mid_decode` has logged
 
 
-def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device, store=None, joins=True):
+def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, device, store=None, joins=True,
+          log=None):  # fmt: skip
     """Prefill the turns of `ready` and add them to the batch (`rows` and its `cache`; None: a new batch): with an
     episode cache (`store`) on a model whose rows can keep their states (`joins`), each on its base, in buckets of
     rows of like rests (`_prefill_on_bases`), else each whole context, right-aligned to the batch's width
     (`_prefill_contexts`, counted in `store` if any). The narrower of the batch and the joining rows is padded on the
-    left. Returns the batch's cache and rows, and the keys of the joined rows in the order they were added."""
+    left. Returns the batch's cache and rows, and the keys of the joined rows in the order they were added. `log`
+    (`_TurnRoutes`, if recording) gives the joined rows' routes."""
     if store is not None and joins:
-        parts = _prefill_on_bases(model, ready, store, keyword, device)
+        parts = _prefill_on_bases(model, ready, store, keyword, device, log)
     else:
         keys, contexts, _ = zip(*ready, strict=True)
         width = max(max(len(ids) for ids in contexts), 0 if rows is None else rows.tokens.size(1))
-        parts = [(list(keys), *_prefill_contexts(model, contexts, width, pad, keyword, device))]
+        parts = [(list(keys), *_prefill_contexts(model, contexts, width, pad, keyword, device, log))]
         if store is not None:
             store.count_prefill(sum(map(len, contexts)), len(contexts) * width)
     budget_of = {key: budget for key, _, budget in ready}
     order = []
-    for keys, fresh, ids, mask, logits in parts:
+    for keys, fresh, ids, mask, logits, routes in parts:
         new = _Decoding(
             keys=keys,
             tokens=ids,
@@ -444,6 +488,7 @@ def _join(model, cache, rows: _Decoding | None, ready, pad: int, keyword: str, d
             turns=[[] for _ in keys],
             logps=[[] for _ in keys],
             logits=logits,
+            routes=routes,
         )
         cache, rows = _merge(cache, rows, fresh, new, pad)
         order += keys
@@ -468,6 +513,7 @@ def _merge(cache, rows: _Decoding | None, fresh, new: _Decoding, pad: int):
         turns=rows.turns + new.turns,
         logps=rows.logps + new.logps,
         logits=torch.cat([rows.logits, new.logits]),
+        routes=None if rows.routes is None else torch.cat([rows.routes, new.routes]),
     )
     return cache, merged
 
@@ -479,13 +525,15 @@ def _pad_left(rows: _Decoding, cache, width: int, pad: int) -> None:
         return
     rows.tokens = nn.functional.pad(rows.tokens, (missing, 0), value=pad)
     rows.mask = nn.functional.pad(rows.mask, (missing, 0))
+    if rows.routes is not None:
+        rows.routes = torch.cat([no_routes(rows.routes.size(0), missing, rows.routes), rows.routes], dim=1)
     for layer in cache.layers:
         pad_columns(layer, missing)
 
 
-def _prefill_contexts(model, contexts, width: int, pad: int, keyword: str, device):
+def _prefill_contexts(model, contexts, width: int, pad: int, keyword: str, device, log=None):
     """Each of `contexts` prefilled whole, right-aligned to `width` columns: (cache, ids [k, width], mask [k, width],
-    fp32 logits of the next token [k, V])."""
+    fp32 logits of the next token [k, V], routes [k, width, L, k] or None without `log`)."""
     ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, context in enumerate(contexts):
@@ -494,7 +542,7 @@ def _prefill_contexts(model, contexts, width: int, pad: int, keyword: str, devic
     fresh = DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [k, width] as `generate` numbers them
     logits = _forward_last(model, ids, mask, positions, fresh, keyword)
-    return fresh, ids, mask, logits
+    return fresh, ids, mask, logits, (log.of(len(contexts), mask) if log is not None else None)
 
 
 def _forward_last(model, ids, attention_mask, positions, cache, keyword: str) -> torch.Tensor:
@@ -514,12 +562,12 @@ def _forward_last(model, ids, attention_mask, positions, cache, keyword: str) ->
 PADDING_SLACK = 1.2
 
 
-def _prefill_on_bases(model, ready, store: EpisodeCache, keyword: str, device) -> list[tuple]:
+def _prefill_on_bases(model, ready, store: EpisodeCache, keyword: str, device, log=None) -> list[tuple]:
     """The joining rows `ready` prefilled on their bases (`EpisodeCache.base`: the episode's kept states, the shared
     prefix, or nothing), in buckets of rows whose rests are alike (`_buckets`), each distinct (base, rest) once: per
-    bucket (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V])."""
+    bucket (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V], routes [k, W, L, k] or None without `log`)."""
     keys, contexts, _ = zip(*ready, strict=True)
-    _set_shared_prefix(model, contexts, store, keyword, device)  # once a run (`EpisodeCache.shared_prefix_length`)
+    _set_shared_prefix(model, contexts, store, keyword, device, log)  # once a run (`shared_prefix_length`)
     bases = [store.base(key, context) for key, context in zip(keys, contexts, strict=True)]
     store.stats["reused_tokens"] += sum(len(b.tokens) for b in bases if b is not None)
     rests = [len(c) - (len(b.tokens) if b is not None else 0) for b, c in zip(bases, contexts, strict=True)]
@@ -527,7 +575,7 @@ def _prefill_on_bases(model, ready, store: EpisodeCache, keyword: str, device) -
     paddable = [gaps or b is None for b in bases]
     return [
         _prefill_bucket(model, [keys[i] for i in bucket], [bases[i] for i in bucket], [contexts[i] for i in bucket],
-                        store, keyword, device)
+                        store, keyword, device, log)
         for bucket in _buckets(rests, paddable)
     ]  # fmt: skip
 
@@ -559,8 +607,9 @@ def _buckets(rests: list[int], paddable: list[bool]) -> list[list[int]]:
     return buckets
 
 
-def _prefill_bucket(model, keys, bases, contexts, store: EpisodeCache, keyword: str, device) -> tuple:
-    """One bucket of `_prefill_on_bases`: (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V]). Row u's
+def _prefill_bucket(model, keys, bases, contexts, store: EpisodeCache, keyword: str, device, log=None) -> tuple:
+    """One bucket of `_prefill_on_bases`: (keys, cache, ids [k, W], mask [k, W], fp32 logits [k, V], routes or None:
+    `_bucket_routes`). Row u's
     W = Wb + S columns are its base right-aligned in the first Wb (the widest base), then the rest right-aligned in the
     last S (the longest rest); a gap between is masked, and filled with the row's first token so that the repetition
     penalty, which reads every token after the left padding, sees the tokens it would."""
@@ -574,10 +623,25 @@ def _prefill_bucket(model, keys, bases, contexts, store: EpisodeCache, keyword: 
     rest = positions.size(1)
     store.count_prefill(int(mask[:, -rest:].sum()), mask.size(0) * rest)
     logits = _forward_last(model, ids[:, -rest:], mask, positions, fresh, keyword)  # [U, V]
+    routes = _bucket_routes(log, [bases[i] for i in distinct], store, mask, rest) if log is not None else None
     if len(distinct) < len(keys):
         select_rows(fresh, index)
         ids, mask, logits = ids[index], mask[index], logits[index]
-    return list(keys), fresh, ids, mask, logits
+        routes = routes[index] if routes is not None else None
+    return list(keys), fresh, ids, mask, logits, routes
+
+
+def _bucket_routes(log: _TurnRoutes, bases: list, store: EpisodeCache, mask: torch.Tensor, rest: int) -> torch.Tensor:
+    """[U, W, L, k] the routes of a bucket's rows (`mask` [U, W]) after its forward of their last `rest` columns:
+    those, and a base's when it is the shared prefix (its forward's, `log.prefix`); -1 on an episode's own base
+    (read and recorded by an earlier turn)."""
+    fed = log.of(mask.size(0), mask[:, -rest:])  # [U, S, L, k]
+    routes = torch.cat([no_routes(mask.size(0), mask.size(1) - rest, fed), fed], dim=1)
+    width = mask.size(1) - rest
+    for u, base in enumerate(bases):
+        if base is not None and base is store.prefix and log.prefix is not None:
+            routes[u, width - len(base.tokens) : width] = log.prefix[: len(base.tokens)]
+    return routes
 
 
 def _on_bases(bases: list, contexts: list, model, device):
@@ -603,7 +667,7 @@ def _on_bases(bases: list, contexts: list, model, device):
     return cache, ids, mask, positions
 
 
-def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, device) -> None:
+def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, device, log=None) -> None:
     """Prefill the longest prefix of `contexts` (`EpisodeCache.shared_prefix_length`) once, as the store's prefix."""
     length = store.shared_prefix_length(contexts)
     if not length:
@@ -611,6 +675,8 @@ def _set_shared_prefix(model, contexts, store: EpisodeCache, keyword: str, devic
     ids = torch.tensor([list(contexts[0][:length])], dtype=torch.long, device=device)  # [1, L]
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+    if log is not None:
+        log.prefix = log.of(1, torch.ones_like(ids))[0]  # [L, L', k]
     store.count_prefill(length, length)
     store.set_prefix(cache_entry(cache, ids))
 
@@ -623,6 +689,7 @@ def _drop_padding_columns(rows: _Decoding, cache) -> None:
     if first == 0:
         return
     rows.tokens, rows.mask = rows.tokens[:, first:], rows.mask[:, first:]
+    rows.routes = rows.routes[:, first:] if rows.routes is not None else None
     for layer in cache.layers:
         drop_columns(layer, first)
 
@@ -639,4 +706,5 @@ def _take(rows: _Decoding, keep: torch.Tensor) -> _Decoding:
         turns=[rows.turns[i] for i in index],
         logps=[rows.logps[i] for i in index],
         logits=rows.logits[keep],
+        routes=rows.routes[keep] if rows.routes is not None else None,
     )

@@ -29,13 +29,14 @@ from grpo_hf.parallel import fsdp2_gathered, is_fsdp2, is_zero3
 from grpo_hf.peft_utils import is_peft_model
 from grpo_hf.rollout.batching import Sequences
 from grpo_hf.rollout.custom import rollout_from_func
-from grpo_hf.rollout.engine import RolloutEngine, choose_engine, make_engine
+from grpo_hf.rollout.engine import RolloutEngine, check_records_routes, choose_engine, make_engine
 from grpo_hf.rollout.environments import EMPTY_PROMPT, Environments
 from grpo_hf.rollout.episodes import EpisodeRunner, Episodes
 from grpo_hf.rollout.lora_decode import LoraDecode
 from grpo_hf.rollout.prompts import is_conversational, tokenize_prompts
 from grpo_hf.rollout.tools import ToolStats, tool_chat_template
 from grpo_hf.rollout.vision import IMAGE_COLUMNS, row_images, tokenize_vision_prompts
+from grpo_hf.routers import is_moe
 from grpo_hf.vision import has_images, image_token_ids, is_processor, tokenizer_of
 
 logger = logging.getLogger(__name__)
@@ -149,8 +150,11 @@ class Sampler:
         self.record_logps = record_logps  # the engine records its log-probs (`RolloutEngine.record_logps`)
         self.gathers = True  # a sharded policy's weights are gathered for the rollout (False: `for_model`)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
+        self.moe: bool | None = None  # the policy has MoE routers whose routes the engine records (`_is_moe`)
         self.lora_decode: LoraDecode | None = None  # a LoRA policy's merged copies for the engine, made with it
         self.episodes = None
+        if self._replays_routes() and rollout_func is None:  # at construction: an engine that records the routes
+            check_records_routes(self._engine_name())
         if agentic is not None:
             self.template_kwargs = dict(generation.chat_template_kwargs)
             if agentic.template is not None:
@@ -181,7 +185,7 @@ class Sampler:
             )
         logps = _engine_logps(engine, completion_mask)
         tokens = Sequences(prompt_ids, prompt_mask, completion_ids, completion_mask, image_inputs=images)
-        return Sampled(tokens, is_truncated, is_prompt_truncated, logps)
+        return Sampled(tokens, is_truncated, is_prompt_truncated, logps, routes=_engine_routes(engine))
 
     def _start_environments(self, prompts: list, columns: dict[str, list]) -> tuple[list, list, list]:
         """Reset each row's environment, as TRL before any sampling (`rollout_func`'s included): returns the prompts
@@ -243,7 +247,7 @@ class Sampler:
             completion_ids, completion_mask, _ = engine.generate(
                 model, ids, mask, max_new_tokens=max_new_tokens, draws=draws, **extra
             )
-            return completion_ids, completion_mask, _engine_logps(engine, completion_mask)
+            return completion_ids, completion_mask, _engine_logps(engine, completion_mask), _engine_routes(engine)
 
         return generate
 
@@ -266,6 +270,7 @@ class Sampler:
             run.is_truncated,
             is_prompt_truncated,
             run.sampling_logps,
+            routes=run.routes,
             prompts=prompts,
             messages=run.messages,
             tool_calls=run.tool_calls,
@@ -313,6 +318,7 @@ class Sampler:
                     row_tools,
                     generate,
                     record_logps=engine.record_logps,
+                    record_routes=engine.record_routes,
                 )
             else:  # one engine call per round of ready turns
                 run = self.episodes.run(generate, prompt_ids, prompt_mask, row_tools)
@@ -371,6 +377,7 @@ class Sampler:
         with self.model_for_generation() as model:
             engine = self.engine_for(model)
             engine.record_logps = self.record_logps
+            engine.record_routes = engine.can_record_routes and self._is_moe(model)
             with self.lora_decode.applied() if self.lora_decode is not None else contextlib.nullcontext():
                 yield model, engine
 
@@ -385,6 +392,7 @@ class Sampler:
         _, why = choose_engine(
             self._engine_name(), model, self.generation.generation_config, sharded=self.generation.sharded,
             blocked_token_ids=image_token_ids(model), record_logps=self.record_logps,
+            record_routes=self._replays_routes(),
         )  # fmt: skip
         return why
 
@@ -404,6 +412,7 @@ class Sampler:
                 tokenizer=self.tokenizer,  # vllm's structured outputs
                 blocked_token_ids=image_token_ids(model),  # a VLM's: never sampled
                 record_logps=self.record_logps,  # an engine that records its log-probs
+                record_routes=self._replays_routes(),  # an engine that records MoE routes (named: or refused)
             )
             logger.info(why)
             if is_peft_model(model) and self.engine.decodes_with_model:
@@ -411,6 +420,21 @@ class Sampler:
                 self.lora_decode, why = LoraDecode.build(model, enabled=merge, sharded=self.generation.sharded)
                 logger.info(why)
         return self.engine
+
+    def _is_moe(self, model: nn.Module) -> bool:
+        """Whether the policy has MoE routers `routers` can record (looked up once): the engine then records the
+        routes of every rollout (`Sampled.routes`), for routing replay and for the mismatch it measures either way. An
+        MoE model whose routers `routers` does not know records nothing (routing replay refuses it on its own)."""
+        if self.moe is None:
+            try:
+                self.moe = is_moe(model)
+            except ValueError:
+                self.moe = False
+        return self.moe
+
+    def _replays_routes(self) -> bool:
+        """Whether routing replay needs the rollout's routes (router_replay='r3'): the engine must record them."""
+        return getattr(self.args, "router_replay", "off") == "r3"
 
     def _engine_name(self) -> str:
         """`rollout_engine`; under ZeRO-3 without `ds3_gather_for_generation`, `generate`, whose decoding keeps the
@@ -459,6 +483,11 @@ class Sampler:
                 yield self.accelerator.unwrap_model(wrapped)
         else:
             yield self.accelerator.unwrap_model(wrapped)
+
+
+def _engine_routes(engine: RolloutEngine) -> Tensor | None:
+    """The MoE routes [B, P + T, L, k] of the engine's last call (`RolloutEngine.sampling_routes`), None: none."""
+    return engine.sampling_routes if engine.record_routes else None
 
 
 def _engine_logps(engine: RolloutEngine, completion_mask: Tensor) -> Tensor | None:
