@@ -2,6 +2,7 @@
 (`python -m grpo_hf.vllm_serve`) and stopped at its end; training with 1 and 2 processes (gloo), and the failure
 messages (no server, a server that does not answer in time, an old vLLM, no development routes)."""
 
+import contextlib
 import http.server
 import json
 import os
@@ -33,11 +34,20 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tokenizer):
-    """A `vllm serve` of a tiny Llama (saved with its tokenizer) on 127.0.0.1; stopped (SIGTERM, then SIGKILL to its
-    process group after 30 s) when the module's tests are done. Yields (base_url, model_dir)."""
+    """A `vllm serve` of a tiny Llama (saved with its tokenizer) on 127.0.0.1 (`running_server`), stopped when the
+    module's tests are done. Yields (base_url, model_dir)."""
     model_dir = tmp_path_factory.mktemp("served")
     build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    with running_server(model_dir) as (url, _):
+        yield url, model_dir
+
+
+@contextlib.contextmanager
+def running_server(model_dir):
+    """`python -m grpo_hf.vllm_serve` of the model saved in `model_dir` on a free port of 127.0.0.1 (its log in
+    `model_dir`/server.log), once it answers /health; stopped at the end (SIGTERM, then SIGKILL to its process group
+    after 30 s). Yields (base_url, the server's process)."""
     port, log = free_port(), open(model_dir / "server.log", "w")  # noqa: SIM115
     command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", str(model_dir), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
@@ -54,7 +64,7 @@ def server(tmp_path_factory, tokenizer):
             except OSError:
                 assert time.monotonic() < deadline, "the server did not start in 180 s"
                 time.sleep(1)
-        yield url, model_dir
+        yield url, process
     finally:
         process.terminate()
         try:

@@ -61,6 +61,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: GlooGroup | None = None
+        # the checkpoint the server started from: a reload from files (`/collective_rpc reload_weights`) points the
+        # model config at the files' directory, which the trainer deletes after it
+        self.checkpoint = (self.model_config.model, getattr(self.model_config, "revision", None))
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -70,7 +73,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             interface_host=address_towards(init_info.master_address),
         )  # fmt: skip
         if rank == init_info.rank_offset:
-            served = checkpoint_weights(self.model_config.model, getattr(self.model_config, "revision", None))
+            served = checkpoint_weights(*self.checkpoint)
             self.group.store.set(SERVED_WEIGHTS_KEY, json.dumps(served))
 
     def start_weight_update(self) -> None:

@@ -192,6 +192,8 @@ class VLLMServer:
             return None
         key = (self.url, transport)
         if key not in NETWORK_LINKS:
+            for other in [k for k, link in NETWORK_LINKS.items() if link.port == self.args.vllm_group_port]:
+                NETWORK_LINKS.pop(other).close()  # another server's group on this port: this process moved on
             address = "127.0.0.1" if on_this_machine(self.url) else address_towards(urlsplit(self.url).hostname)
             link = NetworkPush(
                 self.request, transport, address, self.args.vllm_group_port, 1 + workers,

@@ -259,6 +259,10 @@ class NetworkPush:
         self.request("/reset_prefix_cache", {})
         return sent
 
+    def close(self) -> None:
+        """Leave the group (its port is free again); the server's workers leave it at the next init."""
+        self.communicator = None
+
     def _send(self, packed: torch.Tensor) -> None:
         if self.transport == "nccl":  # vLLM's PyNcclCommunicator (a stand-in in tests: a CPU tensor, no stream)
             stream = torch.cuda.current_stream() if packed.is_cuda else None
