@@ -15,7 +15,10 @@ from grpo_hf.vllm_config import VLLMArguments
 
 trl = pytest.importorskip("trl")
 
-OURS_ONLY = {"vllm_cpu_kvcache_space", "vllm_kwargs", "vllm_server_weights_dir", "vllm_server_weight_transfer"}
+OURS_ONLY = {
+    "vllm_cpu_kvcache_space", "vllm_kwargs", "vllm_server_weights_dir", "vllm_server_weight_transfer",
+    "vllm_server_lora_push",
+}  # fmt: skip
 
 
 _config = partial(tiny_run_args, preset=dict(use_cpu=True))  # GRPOConfig(output_dir, **overrides) on the CPU
