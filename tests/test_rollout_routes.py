@@ -290,3 +290,16 @@ def test_routing_replay_with_an_engine_that_cannot_record_is_refused_when_the_tr
     args = tiny_run_args(tmp_path, rollout_engine=name, router_replay="r3")
     with pytest.raises(ValueError, match=f"rollout_engine={name!r} cannot record the MoE routes"):
         make_trainer(args, tokenizer=tokenizer, model=moe_model(tokenizer))
+
+
+def test_two_processes_gather_and_stack_dynamic_sampling_rounds_with_their_routes(tmp_path):
+    """2 gloo processes (`tests/distributed/routes_step.py`): refill rounds of other widths gathered across the
+    processes and stacked; every micro-batch each process trained on carries its own tokens' routes."""
+    import json
+
+    from conftest import torchrun
+
+    torchrun("routes_step.py", tmp_path, processes=2)
+    results = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["checked"] and r["batches"] >= 1 for r in results)
+    assert results[0]["extra_rounds"] >= 1  # a refill round was gathered and stacked

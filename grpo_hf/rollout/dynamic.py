@@ -149,8 +149,8 @@ class GroupPool:
 def gather_rows(rows: Rows, accelerator, pad_token_id: int) -> Rows:
     """This process's rows of a round -> the round's global rows, the same on every process.
 
-    Padded tensors are first padded to the widest process (prompts on the left); lists are gathered as
-    objects. With one process the rows are returned as they are.
+    Padded tensors are first padded to the widest process (prompts on the left; MoE routes on both sides of the
+    prompt width); lists are gathered as objects. With one process the rows are returned as they are.
     """
     if accelerator.num_processes == 1:
         return dict(rows)
@@ -161,9 +161,12 @@ def gather_rows(rows: Rows, accelerator, pad_token_id: int) -> Rows:
         if not isinstance(value, Tensor):
             gathered[key] = gather_object(list(value))
             continue
-        if key in _ROUTES:  # [n, P + T, L, k]: each side to the widest process's (the ids' gathered widths)
+        if key in _ROUTES:  # [n, P + T, L, k]: each side to the widest process's (the ids' gathered widths), and
+            # gathered as int32 (gloo has no int16)
             P, T = (gathered[name].size(1) for name in ("prompt_ids", "completion_ids"))
-            value = realign_routes(value, rows["prompt_ids"].size(1), P, T)
+            routes = realign_routes(value, rows["prompt_ids"].size(1), P, T)
+            gathered[key] = accelerator.gather(routes.int()).to(value.dtype)
+            continue
         if key in _LEFT_PADDED or key in _RIGHT_PADDED:
             fill = pad_token_id if key.endswith("_ids") else 0
             value = accelerator.pad_across_processes(value, dim=1, pad_index=fill, pad_first=key in _LEFT_PADDED)
