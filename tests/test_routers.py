@@ -14,6 +14,10 @@ from grpo_hf.cache_layers import cache_keyword
 from grpo_hf.routers import is_moe, recording, replaying, route_mismatch, route_mismatch_counts, router_sites
 
 OWN_CONFIGS = {  # families test_families does not build
+    "qwen2_moe": (  # normalised top-k (Qwen3-MoE tests the default, unnormalised)
+        "Qwen2MoeConfig",
+        {**ATTENTION, **EXPERTS, "shared_expert_intermediate_size": 32, "norm_topk_prob": True},
+    ),
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         {**ATTENTION, **GATED_DELTANET, **EXPERTS, "shared_expert_intermediate_size": 32},
@@ -38,7 +42,16 @@ OWN_CONFIGS = {  # families test_families does not build
         ),
     ),
 }
-FAMILIES = ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoehybrid"]
+FAMILIES = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "mixtral",
+    "gpt_oss",
+    "deepseek_v3",
+    "granitemoehybrid",
+]
 
 
 def make(family: str, seed: int = 0):
