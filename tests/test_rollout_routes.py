@@ -303,3 +303,17 @@ def test_two_processes_gather_and_stack_dynamic_sampling_rounds_with_their_route
     results = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
     assert all(r["checked"] and r["batches"] >= 1 for r in results)
     assert results[0]["extra_rounds"] >= 1  # a refill round was gathered and stacked
+
+
+def test_a_checkpoint_keeps_the_routes_of_its_buffered_batches(tmp_path):
+    """The trainer saves the batches it has not trained on yet as plain dicts (`_run_state`) and loads them with
+    weights_only: int16 routes come back as they were."""
+    from grpo_hf.checkpoint import load_run_state, save_run_state
+
+    routes = torch.randint(-1, 4, (2, 5, 2, 2), dtype=torch.int16)
+    batch = MicroBatch(torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                       torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                       advantages=torch.zeros(2), routes=routes)  # fmt: skip
+    save_run_state(str(tmp_path), 0, {"buffer": [vars(batch)]})
+    (loaded,) = [MicroBatch(**part) for part in load_run_state(str(tmp_path), 0, torch.device("cpu"))["buffer"]]
+    assert loaded.routes.dtype == torch.int16 and torch.equal(loaded.routes, routes)
