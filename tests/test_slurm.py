@@ -76,7 +76,6 @@ def job_env(tmp: Path, calls: Path) -> dict[str, str]:
         "SLURM_JOB_ID": "4242",
         "SLURM_GPUS_ON_NODE": "8",
         "SLURM_SUBMIT_DIR": str(ROOT),
-        "VLLM_WEIGHTS_DIR": str(tmp / "weights"),
         "LOG_DIR": str(tmp / "logs"),
     }
 
@@ -150,8 +149,9 @@ def test_the_job_asks_for_its_stop_signal_requeue_and_resources():
 
 
 def test_the_server_address_reaches_grpo_config(rendered, monkeypatch):
-    """The recipe's parser reads the rendered training command: the server's URL, server mode, and the weights
-    directory on the shared file system land in GRPOConfig, over the YAML's colocate mode."""
+    """The recipe's parser reads the rendered training command: the server's URL, server mode and the network weight
+    transfer (NCCL on vllm_group_port, no weights directory: nothing shared is written) land in GRPOConfig, over the
+    YAML's colocate mode."""
     calls, _, tmp = rendered
     training = steps(calls)[1]["argv"]
     recipe_argv = training[training.index("recipes/gsm8k.py") + 1 :]
@@ -159,13 +159,34 @@ def test_the_server_address_reaches_grpo_config(rendered, monkeypatch):
     script_args, config = recipe.parse_args([*recipe_argv, "--bf16", "false"])  # the YAML's bf16 needs a GPU here
     assert config.use_vllm and config.vllm_mode == "server"
     assert config.vllm_server_base_url == "http://10.0.0.3:8000"  # the server node's address, not its name
-    assert config.vllm_server_weights_dir == str(tmp / "weights") and (tmp / "weights").is_dir()
+    assert config.vllm_server_weight_transfer == "nccl" and config.vllm_group_port == 51216
+    assert config.vllm_server_weights_dir is None and "--vllm_server_weights_dir" not in training
+    assert not (ROOT / ".vllm_weights").exists()  # the old default, on the shared file system
     assert script_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"  # the server's model, from the YAML
     assert config.output_dir == str(tmp / "out")
     assert config.resume_from_checkpoint is True  # resumes by itself
     assert config.fault_timeout == 120 and config.ddp_timeout == 1800  # a dead peer: the heartbeat, not a collective
     script_args, config = recipe.parse_args([*recipe_argv, "--bf16", "false", "--resume_from_checkpoint", "false"])
     assert config.resume_from_checkpoint is None  # the user's own choice comes after, and wins
+
+
+def test_weights_as_files_need_a_shared_directory_named(rendered, tmp_path, monkeypatch):
+    """WEIGHT_TRANSFER=files without VLLM_WEIGHTS_DIR stops before anything starts, saying why; with it, the directory
+    is made and reaches GRPOConfig with the files transport."""
+    _, env, _ = rendered
+    env = {**env, "CALLS": str(tmp_path / "calls.jsonl"), "WEIGHT_TRANSFER": "files", "LOG_DIR": str(tmp_path / "l")}
+    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "WEIGHT_TRANSFER=files needs VLLM_WEIGHTS_DIR" in done.stderr
+    assert not [c for c in records(tmp_path / "calls.jsonl") if "grpo_hf.vllm_serve" in c.get("argv", [])]
+    env["VLLM_WEIGHTS_DIR"] = str(tmp_path / "weights")
+    done = subprocess.run(["bash", str(SBATCH), "--output_dir", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    training = steps(records(tmp_path / "calls.jsonl"))[1]["argv"]
+    monkeypatch.chdir(ROOT)
+    _, config = recipe.parse_args([*training[training.index("recipes/gsm8k.py") + 1 :], "--bf16", "false"])
+    assert config.vllm_server_weight_transfer == "files"
+    assert config.vllm_server_weights_dir == str(tmp_path / "weights") and (tmp_path / "weights").is_dir()
 
 
 def test_each_training_node_launches_with_its_own_machine_rank(rendered):
