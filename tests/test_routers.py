@@ -266,7 +266,11 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_routes(reentrant):
     for checkpointing in (False, True):
         model = make("qwen3_moe").train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            kwargs = {"use_reentrant": reentrant}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25 (5.19, vLLM's: the older name)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         with replaying(model, routes):
             loss = model(input_ids).logits.logsumexp(-1).sum()
         loss.backward()  # outside the context, as the trainer's backward may be
