@@ -227,7 +227,7 @@ def test_metrics_ratios_sum_then_divide():
 
 
 def test_r2_replays_the_old_forwards_routes():
-    family = "gpt_oss"
+    family = "qwen3_moe"
     model = build(family)
     batch = make_batch()  # no rollout routes: r2 needs none
     replay = RouterReplay.of("r2", model)
@@ -280,6 +280,29 @@ def tiny_moe(tokenizer, seed: int = 0):
     return AutoModelForCausalLM.from_config(config)
 
 
+def replay_spy(monkeypatch) -> list:
+    """Every routes tensor a forward replays (`replay.BatchRouting` -> `routers.replaying`), in order."""
+    from grpo_hf import replay as replay_module
+
+    replayed, real = [], replay_module.replaying
+
+    def spy(model, routes):
+        replayed.append(routes.clone())
+        return real(model, routes)
+
+    monkeypatch.setattr(replay_module, "replaying", spy)
+    return replayed
+
+
+def assert_rows_of(replayed: list, routes: torch.Tensor) -> None:
+    """Each row of each replayed tensor is a row of `routes` [B, W, L, k] cut to its columns."""
+    W = routes.size(1)
+    for part in replayed:
+        w = part.size(1)
+        for row in part:
+            assert any(torch.equal(row, routes[i, j : j + w]) for i in range(len(routes)) for j in range(W - w + 1))
+
+
 def test_the_trainer_refuses_replay_on_a_dense_model(tiny_llama, tokenizer):
     from conftest import make_trainer, tiny_run_args
 
@@ -294,16 +317,7 @@ def test_the_trainer_under_r2_replays_the_old_forwards_routes_in_the_reference_a
     it runs for them), and every reference and loss forward replays exactly those routes."""
     from conftest import make_trainer, tiny_run_args
 
-    from grpo_hf import replay as replay_module
-
-    replayed = []
-    real = replay_module.replaying
-
-    def spy(model, routes):
-        replayed.append(routes.clone())
-        return real(model, routes)
-
-    monkeypatch.setattr(replay_module, "replaying", spy)
+    replayed = replay_spy(monkeypatch)
     args = tiny_run_args(router_replay="r2", beta=0.1, rollout_engine="loop")
     trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
     assert trainer.experience.needs_old_logps is False  # the old forward runs for its routes only
@@ -313,11 +327,7 @@ def test_the_trainer_under_r2_replays_the_old_forwards_routes_in_the_reference_a
     ran = (batch.old_routes >= 0).all(-1).all(-1)
     assert ran.float().mean() > 0.5 and int(batch.old_routes.max()) < 4
     assert len(replayed) >= 2  # the reference forward's and the loss forward's
-    old, W = batch.old_routes, batch.old_routes.size(1)
-    for routes in replayed:  # each row a row of the old forward's routes, cut to the forward's columns
-        w = routes.size(1)
-        for row in routes:
-            assert any(torch.equal(row, old[i, j : j + w]) for i in range(len(batch)) for j in range(W - w + 1))
+    assert_rows_of(replayed, batch.old_routes)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -342,3 +352,44 @@ def test_r3_load_balancing_loss_is_the_familys_own_on_every_path(family):
     assert (auxes[False] - live[0].detach()).abs() > 1e-5  # replay moved the later layers' logits (by ~2e-5)
     torch.testing.assert_close(auxes[True], auxes[False], rtol=0, atol=1e-6)
     torch.testing.assert_close(aux[0].detach(), auxes[False], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_trainer_under_r3_replays_the_rollouts_routes_and_logs_the_mismatch(tokenizer, monkeypatch, max_staleness):
+    """The loop engine records the routes; every old, reference and loss forward of the step replays rows of exactly
+    them; the router metrics are logged (with max_staleness=1, the log-prob gap against the stale sampler too)."""
+    from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
+
+    replayed = replay_spy(monkeypatch)
+    args = tiny_run_args(
+        preset=TRAINING, router_replay="r3", beta=0.1, rollout_engine="loop", max_staleness=max_staleness
+    )
+    trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
+    trainer.train()
+    (batch,) = trainer._buffer
+    assert batch.routes is not None and (batch.routes >= 0).any()
+    assert len(replayed) >= 2
+    assert_rows_of(replayed[-2:], batch.routes)  # the last step's reference and loss forwards
+    logs = train_logs(trainer)
+    assert all(0.0 <= h["router/route_mismatch"] <= h["router/token_mismatch"] <= 1.0 for h in logs)
+    if max_staleness:  # the second step trains on a batch sampled one step ago: the sampler's log-probs are there
+        assert logs[-1]["router/logp_gap"] > 0 and logs[-1]["router/k3_kl"] >= 0
+
+
+def test_off_trains_as_without_the_router_metrics(tokenizer):
+    """An MoE run with router_replay='off' (its loss forwards recorded for the metrics) trains bit for bit as the same
+    run with the routing module out of the step (`experience.router = None`)."""
+    from conftest import make_trainer, tiny_run_args, train_logs
+
+    runs = []
+    for involved in (True, False):
+        args = tiny_run_args(rollout_engine="loop", learning_rate=1e-2)  # one step
+        trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
+        if not involved:
+            trainer.experience.router = None
+        trainer.train()
+        runs.append((train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]))
+    (logs, weights), (plain_logs, plain_weights) = runs
+    assert "router/route_mismatch" in logs[0] and "router/route_mismatch" not in plain_logs[0]
+    assert [h["loss"] for h in logs] == [h["loss"] for h in plain_logs]
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
