@@ -260,6 +260,18 @@ def test_a_dense_model_with_replay_on_is_refused(tiny_llama):
             RouterReplay.of(mode, tiny_llama)
 
 
+def test_an_moe_family_grpo_hf_does_not_know_is_refused_by_name_with_replay_on():
+    import transformers
+    from test_families import ATTENTION, COMMON
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.OlmoeConfig(**COMMON, **ATTENTION, num_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)
+    assert RouterReplay.of("off", model) is None  # no metrics then, and no error
+    with pytest.raises(ValueError, match="OlmoeForCausalLM is a Mixture-of-Experts model .*OlmoeTopKRouter"):
+        RouterReplay.of("r3", model)
+
+
 def test_the_setting_is_checked():
     assert GRPOConfig(output_dir="unused", router_replay="r3").router_replay == "r3"
     with pytest.raises(ValueError, match="router_replay='r4' is not one of the choices"):
