@@ -105,8 +105,9 @@ class VLLMServer:
             logger.warning(
                 f"The vLLM server at {self.url} is on another machine and vllm_server_weights_dir is not set: the "
                 "weights are written to /dev/shm on this machine, which the server cannot read, and its reload will "
-                "fail. Set vllm_server_weights_dir to a directory of a file system both machines read "
-                "(recipes/slurm/grpo.sbatch does)."
+                "fail. Set vllm_server_weights_dir to a directory of a file system both machines read, or start "
+                "the server with a weight-transfer engine (`python -m grpo_hf.vllm_serve` does) so that the "
+                "weights go over the network."
             )
 
     # ---- HTTP --------------------------------------------------------------------------------------------------
