@@ -16,7 +16,7 @@ from test_families import build
 from transformers import GenerationConfig
 
 from grpo_hf.rollout.batching import MicroBatch, split_into_micro_batches
-from grpo_hf.rollout.engine import ROUTES_REFUSAL, choose_engine, make_engine
+from grpo_hf.rollout.engine import ENGINES, ROUTES_REFUSAL, RolloutEngine, choose_engine, make_engine
 from grpo_hf.rollout.routes import NO_ROUTE, realign
 from grpo_hf.routers import recording
 
@@ -317,3 +317,32 @@ def test_a_checkpoint_keeps_the_routes_of_its_buffered_batches(tmp_path):
     save_run_state(str(tmp_path), 0, {"buffer": [vars(batch)]})
     (loaded,) = [MicroBatch(**part) for part in load_run_state(str(tmp_path), 0, torch.device("cpu"))["buffer"]]
     assert loaded.routes.dtype == torch.int16 and torch.equal(loaded.routes, routes)
+
+
+class _NoRoutesEngine(RolloutEngine):
+    """An engine of one's own that records no routes (`can_record_routes` False): each row samples 3 fixed tokens."""
+
+    name = "no_routes"
+
+    def sample(self, model, prompt_ids, prompt_mask):
+        return torch.full((prompt_ids.size(0), 3), 40, dtype=torch.long, device=prompt_ids.device)
+
+
+def test_an_engine_that_cannot_record_records_nothing_with_replay_off_and_is_refused_with_it_on(
+    tmp_path, tokenizer, monkeypatch
+):
+    from conftest import TRAINING, make_trainer, tiny_run_args
+
+    monkeypatch.setitem(ENGINES, "no_routes", _NoRoutesEngine)
+    args = tiny_run_args(tmp_path, preset=TRAINING, rollout_engine="no_routes")
+    trainer = make_trainer(args, tokenizer=tokenizer, model=moe_model(tokenizer))
+    batches = capture_batches(monkeypatch)
+    trainer.experience.train_batches([row for row in trainer.train_dataset.select(range(1)) for _ in range(4)])
+    assert (
+        batches
+        and all(batch.routes is None for batch in batches)
+        and not trainer.experience.sampler.engine.record_routes
+    )
+    with pytest.raises(ValueError, match="rollout_engine='no_routes' cannot record the MoE routes"):
+        make_trainer(tiny_run_args(tmp_path, preset=TRAINING, rollout_engine="no_routes", router_replay="r3"),
+                     tokenizer=tokenizer, model=moe_model(tokenizer))  # fmt: skip
