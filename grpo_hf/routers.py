@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+import transformers
 from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Layout:
     indices: int
 
 
-def _probe_config(hidden: int, experts: int, top_k: int) -> types.SimpleNamespace:
+def _probe_config(hidden: int, experts: int, top_k: int, normalise: bool) -> types.SimpleNamespace:
     """Every attribute a supported router's `__init__` reads, for a tiny instance."""
     return types.SimpleNamespace(
         hidden_size=hidden,
@@ -132,7 +133,7 @@ def _probe_config(hidden: int, experts: int, top_k: int) -> types.SimpleNamespac
         num_local_experts=experts,
         n_routed_experts=experts,
         num_experts_per_tok=top_k,
-        norm_topk_prob=True,
+        norm_topk_prob=normalise,
         routed_scaling_factor=2.5,
         n_group=2,
         topk_group=1,
@@ -158,8 +159,8 @@ def _find_layout(outputs, tokens: int, experts: int, top_k: int) -> Layout:
 def _check_family(family: Family) -> tuple[type | None, Layout | None, str | None]:
     """The family's router class, where it returns what, and None; or (class or None, None, why it is refused).
 
-    Runs a tiny instance of the class (4 experts, top 2, random weights and correction bias) on 6 tokens: the
-    outputs must be logits, weights and indices, and `family.weights` at the router's indices its weights."""
+    Runs tiny instances of the class (`_probe`, with `norm_topk_prob` on and off): the outputs must be logits,
+    weights and indices, and `family.weights` at the router's indices its weights."""
     try:
         cls = getattr(
             importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}"),
@@ -167,23 +168,35 @@ def _check_family(family: Family) -> tuple[type | None, Layout | None, str | Non
         )
     except (ImportError, AttributeError):
         return None, None, f"this transformers has no {family.router_class}"
-    tokens, hidden, experts, top_k = 6, 8, 4, 2
     try:
-        generator = torch.Generator().manual_seed(0)
-        router = cls(_probe_config(hidden, experts, top_k)).float()
-        with torch.no_grad():
-            for tensor in [*router.parameters(), *router.buffers()]:
-                tensor.copy_(torch.randn(tensor.shape, generator=generator))
-            outputs = router(torch.randn(tokens, hidden, generator=generator))
-        layout = _find_layout(outputs, tokens, experts, top_k)
-        live, indices = outputs[layout.weights], outputs[layout.indices]
-        weights = family.weights(router, outputs[layout.logits], indices).to(live.dtype)
-        torch.testing.assert_close(weights, live, rtol=1e-6, atol=1e-7)
+        layouts = {_probe(family, cls, normalise) for normalise in (True, False)}  # `norm_topk_prob` both ways
+        if len(layouts) != 1:
+            raise TypeError(f"returns its tensors in an order that changes with norm_topk_prob: {layouts}")
     except Exception as error:  # whatever the class does differently: refuse the family, say what
-        reason = f"{cls.__name__} no longer routes as grpo_hf expects ({type(error).__name__}: {error})"
+        reason = (
+            f"{cls.__name__} of transformers {transformers.__version__} no longer routes as grpo_hf expects "
+            f"({type(error).__name__}: {error})"
+        )
         logger.warning("MoE routing replay: %s; models of the %s family are refused", reason, family.name)
         return cls, None, reason
-    return cls, layout, None
+    return cls, layouts.pop(), None
+
+
+def _probe(family: Family, cls: type, normalise: bool) -> Layout:
+    """Where a tiny instance of `cls` returns what; AssertionError if `family.weights` at its indices are not its
+    weights (on 6 tokens, 4 experts, top 2, random weights and correction bias)."""
+    tokens, hidden, experts, top_k = 6, 8, 4, 2
+    generator = torch.Generator().manual_seed(0)
+    router = cls(_probe_config(hidden, experts, top_k, normalise)).float()
+    with torch.no_grad():
+        for tensor in [*router.parameters(), *router.buffers()]:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        outputs = router(torch.randn(tokens, hidden, generator=generator))
+    layout = _find_layout(outputs, tokens, experts, top_k)
+    live, indices = outputs[layout.weights], outputs[layout.indices]
+    weights = family.weights(router, outputs[layout.logits], indices).to(live.dtype)
+    torch.testing.assert_close(weights, live, rtol=1e-6, atol=1e-7)
+    return layout
 
 
 @dataclass

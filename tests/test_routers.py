@@ -202,9 +202,11 @@ def test_an_unknown_moe_router_is_refused_by_name():
 
 
 def test_a_family_whose_formula_no_longer_holds_is_refused():
-    wrong = routers.Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeTopKRouter", routers._deepseek)
+    """As if transformers had changed Qwen3-MoE's weights to GPT-OSS's softmax over the chosen logits."""
+    wrong = routers.Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeTopKRouter", routers._softmax_of_chosen)
     cls, layout, reason = routers._check_family(wrong)
-    assert cls is not None and layout is None and "Qwen3MoeTopKRouter no longer routes" in reason
+    assert cls is not None and layout is None
+    assert "Qwen3MoeTopKRouter of transformers" in reason and "no longer routes" in reason and "Mismatch" in reason
 
 
 def test_bad_routes_are_refused():
