@@ -192,6 +192,8 @@ def _probe(family: Family, cls: type, normalise: bool) -> Layout:
         for tensor in [*router.parameters(), *router.buffers()]:
             tensor.copy_(torch.randn(tensor.shape, generator=generator))
         outputs = router(torch.randn(tokens, hidden, generator=generator))
+    if (router.top_k, router.num_experts) != (top_k, experts):  # what `router_sites` reads of every router
+        raise TypeError(f"top_k, num_experts read {router.top_k}, {router.num_experts}, not {top_k}, {experts}")
     layout = _find_layout(outputs, tokens, experts, top_k)
     live, indices = outputs[layout.weights], outputs[layout.indices]
     weights = family.weights(router, outputs[layout.logits], indices).to(live.dtype)
