@@ -366,22 +366,36 @@ def test_r3_load_balancing_loss_is_the_familys_own_on_every_path(family):
     torch.testing.assert_close(aux[0].detach(), auxes[False], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1])
-def test_the_trainer_under_r3_replays_the_rollouts_routes_and_logs_the_mismatch(tokenizer, monkeypatch, max_staleness):
+@pytest.mark.parametrize(("max_staleness", "lora"), [(0, False), (1, False), (0, True)])
+def test_the_trainer_under_r3_replays_the_rollouts_routes_and_logs_the_mismatch(
+    tokenizer, monkeypatch, max_staleness, lora
+):
     """The loop engine records the routes; every old, reference and loss forward of the step replays rows of exactly
-    them; the router metrics are logged (with max_staleness=1, the log-prob gap against the stale sampler too)."""
+    them; the router metrics are logged (with max_staleness=1, the log-prob gap against the stale sampler too). With
+    LoRA (the reference: the policy with its adapters off) and num_iterations=2 (old log-probs, and two steps on one
+    rollout), every forward of the run replays that rollout's routes."""
     from conftest import TRAINING, make_trainer, tiny_run_args, train_logs
 
     replayed = replay_spy(monkeypatch)
     args = tiny_run_args(
-        preset=TRAINING, router_replay="r3", beta=0.1, rollout_engine="loop", max_staleness=max_staleness
+        preset=TRAINING, router_replay="r3", beta=0.1, rollout_engine="loop", max_staleness=max_staleness,
+        num_iterations=2 if lora else 1,
+    )  # fmt: skip
+    peft = (
+        {"peft_config": pytest.importorskip("peft").LoraConfig(r=4, target_modules=["q_proj", "v_proj"])}
+        if lora
+        else {}
     )
-    trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
+    trainer = make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer, **peft)
     trainer.train()
     (batch,) = trainer._buffer
     assert batch.routes is not None and (batch.routes >= 0).any()
-    assert len(replayed) >= 2
-    assert_rows_of(replayed[-2:], batch.routes)  # the last step's reference and loss forwards
+    if lora:  # one rollout: its old, reference and two loss forwards
+        assert batch.old_logps is not None and len(replayed) >= 4
+        assert_rows_of(replayed, batch.routes)
+    else:
+        assert len(replayed) >= 2
+        assert_rows_of(replayed[-2:], batch.routes)  # the last step's reference and loss forwards
     logs = train_logs(trainer)
     assert all(0.0 <= h["router/route_mismatch"] <= h["router/token_mismatch"] <= 1.0 for h in logs)
     if max_staleness:  # the second step trains on a batch sampled one step ago: the sampler's log-probs are there
