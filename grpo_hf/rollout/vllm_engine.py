@@ -22,6 +22,13 @@ stopping at the model's EOS tokens; `do_sample=False` is greedy. vLLM's log-prob
 temperature, top-k/top-p and penalties: the distribution it sampled from, as TRL asks for).
 `vllm_structured_outputs_regex` constrains every completion to the regex (vLLM's structured outputs; colocate then
 starts vLLM with the tokenizer, which its grammar needs).
+
+MoE routes (`record_routes`, set for an MoE policy: routing replay and its mismatch metrics): colocate starts vLLM
+with `enable_return_routed_experts` (and prefix caching, which vLLM's recorder needs) where this vLLM build can
+return them (`vllm_routes.routes_refusal`: not vLLM's CPU build); a server returns them when it was started with
+`--enable-return-routed-experts` (its `/server_info` says). Each row's routes are laid out as the other engines'
+(`vllm_routes.aligned_routes`) in `sampling_routes`; where vLLM cannot give them, `sampling_routes` stays None (no
+mismatch metrics), and routing replay (`router_replay='r3'`) is refused before any rollout.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from grpo_hf.core import prompt_runs
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
+from grpo_hf.rollout.vllm_routes import aligned_routes, routes_refusal, vllm_layers
 from grpo_hf.rollout.vllm_server import MAX_N, check_not_cut
 from grpo_hf.rollout.weights import named_weights
 
@@ -54,6 +62,7 @@ class VLLMEngine(RolloutEngine):
     options = ("args", "accelerator", "tokenizer")
     decodes_with_model = False  # vLLM decodes with its own copy of the weights, LoRA deltas merged at each push
     can_record_logps = True  # every call leaves vLLM's log-probs of its tokens in `sampling_logps`
+    can_record_routes = True  # where vLLM returns them (module doc); else `sampling_routes` stays None
 
     def __init__(self, generation_config, eos_token_ids, args=None, accelerator=None, tokenizer=None):
         super().__init__(generation_config, eos_token_ids)
@@ -111,9 +120,26 @@ class VLLMEngine(RolloutEngine):
         else:
             rows = self.backend.generate(prompts, counts, settings)
         check_not_cut(rows, settings["max_tokens"], getattr(self.backend, "max_model_len", None))
-        rows = [(ids, logps) for ids, logps, _ in rows]
-        completion_ids, self.sampling_logps = pad_rows(rows, self.generation_config.pad_token_id, prompt_ids.device)
+        pairs = [(ids, logps) for ids, logps, *_ in rows]
+        completion_ids, self.sampling_logps = pad_rows(pairs, self.generation_config.pad_token_id, prompt_ids.device)
+        if self.record_routes and getattr(self.backend, "routes", False):
+            self.sampling_routes = self._routes(model, rows, prompt_mask, completion_ids.size(1))
         return completion_ids
+
+    def _routes(self, model, rows, prompt_mask: torch.Tensor, width: int) -> torch.Tensor | None:
+        """The rows' MoE routes [N, P + width, L, k] on the prompts' device (`vllm_routes.aligned_routes`); None when
+        the server returns none (it was started without the flag) and routing replay does not need them."""
+        routes = [row[3] for row in rows]
+        if all(r is None for r in routes) and getattr(self.args, "router_replay", "off") != "r3":
+            return None
+        lengths = [len(row[0]) for row in rows]
+        return aligned_routes(routes, prompt_mask, lengths, width, self._layers(model)).to(prompt_mask.device)
+
+    def _layers(self, model) -> list[int]:
+        """The decoder-layer indices of the policy's MoE layers (vLLM's route axis), looked up once."""
+        if getattr(self, "_moe_layers", None) is None:
+            self._moe_layers = vllm_layers(model)
+        return self._moe_layers
 
     def _make_backend(self, model, per_process: bool = False):
         if self.args.vllm_mode == "server":
@@ -128,8 +154,9 @@ class VLLMEngine(RolloutEngine):
                     "LoraConfig (one trained copy), or start the server from a checkpoint saved with "
                     "tie_word_embeddings=False."
                 )
-            return VLLMServer(self.args, self.accelerator, self.eos_token_ids, per_process, base_model(model).config)
-        return VLLMColocate(model, self.args, self.accelerator, self.tokenizer)
+            config = base_model(model).config
+            return VLLMServer(self.args, self.accelerator, self.eos_token_ids, per_process, config, self.record_routes)
+        return VLLMColocate(model, self.args, self.accelerator, self.tokenizer, routes=self.record_routes)
 
 
 def trains_tied_weights_apart(model) -> bool:
@@ -218,7 +245,8 @@ def llm_kwargs(args, dtype: torch.dtype, device: torch.device, seed: int) -> dic
 class VLLMColocate:
     """A `vllm.LLM` in this process, built from the model's config; weights pushed in memory."""
 
-    def __init__(self, model, args, accelerator, tokenizer=None):
+    def __init__(self, model, args, accelerator, tokenizer=None, routes: bool = False):
+        """`routes`: return each completion's MoE routes (`vllm_routes`) if this vLLM build can (`self.routes`)."""
         import os
         import tempfile
 
@@ -235,10 +263,11 @@ class VLLMColocate:
             )
         self.sleeps = args.vllm_enable_sleep_mode
         self.model_dir = tempfile.mkdtemp(prefix="grpo_hf_vllm_")  # config only: the weights are pushed
-        config = base.config
+        config = copy.deepcopy(base.config)
         if trains_tied_weights_apart(model):  # vLLM holds both trained copies, untied
-            config = copy.deepcopy(config)
             config.tie_word_embeddings = False
+        # a model built from a config names no class: vLLM would guess one (Qwen3-MoE: its embedding model)
+        config.architectures = config.architectures or [type(base).__name__]
         config.save_pretrained(self.model_dir)
         index = accelerator.process_index if accelerator is not None else 0
         kwargs = llm_kwargs(args, param.dtype, param.device, seed=args.seed + index)
@@ -247,6 +276,9 @@ class VLLMColocate:
                 raise ValueError("vllm_structured_outputs_regex needs the tokenizer: pass tokenizer= to the engine.")
             tokenizer.save_pretrained(self.model_dir)
             kwargs["skip_tokenizer_init"] = False
+        self.routes = routes and _can_return_routes()
+        if self.routes:  # vLLM's recorder keeps the routes of cached prompt blocks by their prefix-cache hash
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         logger.info(f"vLLM colocate: starting vllm.LLM({kwargs})")
         self.llm = LLM(model=self.model_dir, **kwargs)
         gc.unfreeze()  # vLLM froze every object alive (the trainer's too): they stay collectable
@@ -293,8 +325,18 @@ class VLLMColocate:
                     entry[token].logprob
                     for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
                 ]
-                rows.append((list(completion.token_ids), logps, completion.finish_reason))
+                routes = getattr(completion, "routed_experts", None)  # [P + T - 1, layers, k] or None
+                rows.append((list(completion.token_ids), logps, completion.finish_reason, routes))
         return rows
+
+
+def _can_return_routes() -> bool:
+    """Whether this vLLM build returns MoE routes; if not, says why once (routing replay refuses it earlier:
+    `VLLMArguments.check_vllm`)."""
+    refusal = routes_refusal()
+    if refusal is not None:
+        logger.warning(f"vLLM colocate records no MoE routes (no route mismatch metrics): {refusal}")
+    return refusal is None
 
 
 def _release(llm, model_dir: str) -> None:

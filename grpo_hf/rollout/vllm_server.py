@@ -38,6 +38,7 @@ import torch
 
 from grpo_hf.parallel import stop_together
 from grpo_hf.rollout.lora_push import push_adapter, served_name
+from grpo_hf.rollout.vllm_routes import decode_routes, server_records_routes
 from grpo_hf.rollout.weight_transfer import (
     NetworkPush,
     address_towards,
@@ -73,11 +74,14 @@ def server_transfer(info: dict[str, Any]) -> tuple[str | None, int]:
 class VLLMServer:
     """A client of one `vllm serve`: checks it at start-up, generates for every process, pushes weights (process 0)."""
 
-    def __init__(self, args, accelerator, eos_token_ids, per_process: bool = False, model_config=None):
+    def __init__(
+        self, args, accelerator, eos_token_ids, per_process: bool = False, model_config=None, routes: bool = False
+    ):
         """`per_process`: `generate` sends this process's prompts itself, with no collective call (the asynchronous
         producer's thread); `push` stays collective. `model_config`: the policy's (a transformers config), checked
-        against the model the server serves (`check_served_model`) before any rollout."""
-        self.args, self.accelerator, self.per_process = args, accelerator, per_process
+        against the model the server serves (`check_served_model`) before any rollout. `routes`: each row carries
+        the MoE routes the server returns (`check_routes`)."""
+        self.args, self.accelerator, self.per_process, self.routes = args, accelerator, per_process, routes
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
         self.timeout = args.vllm_server_timeout
         self.is_main = accelerator is None or accelerator.is_main_process
@@ -87,6 +91,8 @@ class VLLMServer:
                 self.model_id = self.connect()
                 if model_config is not None:
                     check_served_model(self.served, model_config, self.url)
+                if routes:
+                    self.check_routes()
             except Exception as error:  # every process stops with it (`stop_together`)
                 failure = error
         self.network = None  # process 0's end of vLLM's weight-transfer protocol (`weight_transfer`), or files
@@ -173,6 +179,20 @@ class VLLMServer:
                 "Upgrade vLLM where the server runs."
             )
 
+    def check_routes(self) -> None:
+        """Routing replay (`router_replay='r3'`) needs a server that returns the MoE routes: refused, before any
+        rollout, when its `/server_info` says it does not; otherwise its rows carry them (or None)."""
+        records = server_records_routes(self.request("/server_info?config_format=json"))
+        if records is False and getattr(self.args, "router_replay", "off") == "r3":
+            raise ValueError(
+                f"router_replay='r3' replays the MoE routes the rollout took, but the vLLM server at {self.url} was "
+                "started without --enable-return-routed-experts, so it returns none. Restart it with that flag "
+                "(`python -m grpo_hf.vllm_serve --model ... --enable-return-routed-experts`, on vLLM's GPU build: its "
+                "CPU build cannot, docs/vllm.md), or use router_replay='r2' or 'off'."
+            )
+        if records is False:
+            logger.info(f"The vLLM server at {self.url} returns no MoE routes: no route mismatch metrics.")
+
     # ---- weights -----------------------------------------------------------------------------------------------
     def connect_transport(self) -> NetworkPush | None:
         """Process 0: the weight transport (`vllm_server_weight_transfer`, `choose_transport`), logged with why; a
@@ -242,7 +262,8 @@ class VLLMServer:
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], counts: list[int], settings: dict[str, Any]):
         """Every process's prompts (each with its number of completions) -> this process's rows (token ids,
-        log-probs, vLLM's finish reason), in order. `per_process`: this process's prompts only, sent by itself."""
+        log-probs, vLLM's finish reason, MoE routes or None), in order. `per_process`: this process's prompts only,
+        sent by itself."""
         seeds = request_seeds(len(prompts))
         if self.per_process:
             rows = self.complete(prompts, counts, seeds, settings)
@@ -270,7 +291,9 @@ class VLLMServer:
             answer = self.request("/v1/completions", {**body, "prompt": prompt, "n": n, "seed": seed})
             rows = []
             for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-                rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"], choice.get("finish_reason")))
+                routes = decode_routes(choice.get("routed_experts")) if self.routes else None  # [P + T - 1, layers, k]
+                logps = choice["logprobs"]["token_logprobs"]
+                rows.append((choice["token_ids"], logps, choice.get("finish_reason"), routes))
             return rows
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
@@ -410,7 +433,7 @@ def check_not_cut(rows: list[tuple[list[int], list, str | None]], max_tokens: in
     """No completion was ended by vLLM's context window (finish reason "length" before `max_tokens`): it would train
     as a truncated completion though the policy was never let finish it. `_check_room` prevents it where the window is
     known (colocate); this catches the rest (server mode, whose window is the server's)."""
-    cut = [len(ids) for ids, _, reason in rows if reason == "length" and len(ids) < max_tokens]
+    cut = [len(ids) for ids, _, reason, *_ in rows if reason == "length" and len(ids) < max_tokens]
     if cut:
         window = f"{max_model_len} tokens" if max_model_len is not None else "unknown size"
         raise ValueError(
