@@ -39,17 +39,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import torch
 from torch import Tensor, nn
 
+from grpo_hf.config import RouterReplayMode
+from grpo_hf.core import check_choice
 from grpo_hf.metrics import Metrics
 from grpo_hf.rollout.batching import MicroBatch
 from grpo_hf.routers import recording, replaying, route_mismatch_counts, router_sites
 
 logger = logging.getLogger(__name__)
 
-MODES = ("off", "r2", "r3")
+MODES = get_args(RouterReplayMode)  # "off", "r2", "r3": `GRPOConfig.router_replay`
 
 
 @dataclass
@@ -98,8 +101,7 @@ class RouterReplay:
         """The replay of `model` (the bare policy) under `router_replay=mode`; None for a dense model with it off, and
         for an MoE model whose router grpo_hf does not know with it off (no metrics then; logged). With it on, a
         dense model, or an unknown router (`routers.router_sites`' error), is a ValueError."""
-        if mode not in MODES:
-            raise ValueError(f"router_replay={mode!r} must be one of {', '.join(map(repr, MODES))}.")
+        check_choice("router_replay", mode, MODES)
         try:
             sites = router_sites(model)
         except ValueError as error:
@@ -172,12 +174,14 @@ class RouterReplay:
             counts[0] = route_mismatch_counts(batch.routes.to(routing.live.device), routing.live, live_read)
         if batch.sampling_logps is not None and logps is not None:
             counts[1] = logp_gap_sums(logps.detach(), batch.sampling_logps, batch.completion_mask)
-        routes, gaps = torch.cat(counts).tolist()[:4], torch.cat(counts).tolist()[4:]  # one sync per micro-step
-        train = self.metrics
-        train.add_ratio("train", "router/route_mismatch", routes[0], routes[1])
-        train.add_ratio("train", "router/token_mismatch", routes[2], routes[3])
-        train.add_ratio("train", "router/logp_gap", gaps[0], gaps[2])
-        train.add_ratio("train", "router/k3_kl", gaps[1], gaps[2])
+        differ, compared, tokens_differ, tokens, gap, k3, gap_tokens, _ = torch.cat(counts).tolist()  # one sync
+        for name, numerator, denominator in (
+            ("route_mismatch", differ, compared),
+            ("token_mismatch", tokens_differ, tokens),
+            ("logp_gap", gap, gap_tokens),
+            ("k3_kl", k3, gap_tokens),
+        ):
+            self.metrics.add_ratio("train", f"router/{name}", numerator, denominator)
 
 
 def logp_gap_sums(logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> Tensor:
