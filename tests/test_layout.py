@@ -154,7 +154,7 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
         # and transformers only, for the rollout engines and the log-prob forwards alike
         ("grpo_hf.cache_layers", set()),
         # `routers` (each MoE family's router: recording and replaying its top-k experts): torch and transformers
-        # only, for the rollout engines (recording) and the training forwards (replay) alike
+        # only, for the rollout engines (recording) and the trainer's replay (`grpo_hf.replay`)
         ("grpo_hf.routers", set()),
         # `offline_model` (the offline SmolLM2's directory, converted once from its PyPI package): torch and
         # transformers only, for the loaders in `models` and for users (`grpo_hf.offline_model_path`)
@@ -186,7 +186,6 @@ LEAVES = {"grpo_hf.background"}  # the process's event loop for async rewards an
                 "grpo_hf.vision",
                 "grpo_hf.forward_plan",
                 "grpo_hf.cache_layers",
-                "grpo_hf.routers",
             },
         ),
         ("grpo_hf.forward_plan", {"grpo_hf.core", "grpo_hf.vision"}),
