@@ -192,9 +192,11 @@ def _cuda_event(model: nn.Module):
 
 class ServerWeights:
     """The weights a vLLM server samples with (`vllm_mode="server"`), in `WeightSnapshot`'s place: no copy in this
-    process. The main threads push each version to the server as the policy reaches it (`stage`: process 0 writes,
-    every process takes part, as in the synchronous run), while no generation batch of this process is under way
-    (`sampling` holds a lock that `stage` waits for, and the processes meet before the push). So each batch is sampled
+    process. The main threads push each version to the server as the policy reaches it (`stage`: process 0 sends it
+    through the server's weight transport, every process takes part in the gathers, as in the synchronous run), while
+    no generation batch of this process is under way (`sampling` holds a lock that `stage` waits for, and the
+    processes meet before the push): no request of the run is in flight during a push, so the server needs no
+    `/pause` (whose default mode would abort requests in flight). So each batch is sampled
     by one version, the newest pushed when it started: at least the version it was admitted at (pushed before the
     producer is told of it), perhaps newer (a producer behind the trainer, or after an evaluation, which pushes the
     current weights with the run's own engine: then the batch's recorded version understates its freshness, never
