@@ -137,8 +137,9 @@ class StandIn:
 @pytest.mark.parametrize("transport", ["nccl", "gloo"])
 def test_a_push_drives_the_four_phases_and_sends_every_weight_once(tokenizer, transport):
     """Against stand-ins: the init info at connect (NCCL: vLLM's packed consumer cut at the bucket bound), then per
-    push start, one /update_weights per bucket with its broadcast, finish, and the prefix cache dropped; the workers'
-    side (`unpack` of each broadcast by its metadata) gets every weight of `named_weights`, equal."""
+    push start, one /update_weights per bucket with its bytes (NCCL: one packed broadcast; gloo: one per tensor),
+    finish, and the prefix cache dropped; the workers' side (`unpack` of each broadcast by its metadata) gets every
+    weight of `named_weights`, equal."""
     from grpo_hf.rollout.weights import named_weights
 
     model = build_tiny_model(tokenizer, hidden_size=32, tied=True)
@@ -148,22 +149,22 @@ def test_a_push_drives_the_four_phases_and_sends_every_weight_once(tokenizer, tr
     info = link.init_info()
     assert info["master_address"] == "10.0.0.1" and info["world_size"] == 3 and info["rank_offset"] == 1
     assert (info.get("packed"), info.get("packed_buffer_size_bytes")) == (
-        (True, 20_000) if transport == "nccl" else (None, None)
+        (True, 20_000) if transport == "nccl" else (False, None)
     )
     sent = link.push(named_weights(model))
-    buckets = len(stand_in.received)
+    buckets = len(stand_in.metadata)
     assert buckets > 2
-    assert stand_in.calls == ["/init_weight_transfer_engine", "/start_weight_update"] + [
-        "/update_weights"
-    ] * buckets + [
-        "/finish_weight_update",
-        "/reset_prefix_cache",
-    ]
-    got = [
-        pair
-        for meta, packed in zip(stand_in.metadata, stand_in.received, strict=True)
-        for pair in unpack(packed, **meta)
-    ]
+    routes = ["/init_weight_transfer_engine", "/start_weight_update", *["/update_weights"] * buckets]
+    assert stand_in.calls == [*routes, "/finish_weight_update", "/reset_prefix_cache"]
+    if transport == "nccl":  # a broadcast per bucket, packed
+        assert len(stand_in.received) == buckets
+        got = [
+            pair
+            for meta, packed in zip(stand_in.metadata, stand_in.received, strict=True)
+            for pair in unpack(packed, **meta)
+        ]
+    else:  # a broadcast per tensor, in the buckets' order
+        got = list(zip([name for meta in stand_in.metadata for name in meta["names"]], stand_in.received, strict=True))
     expected = list(named_weights(model))
     assert [name for name, _ in got] == [name for name, _ in expected] and "lm_head.weight" in dict(got)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True))

@@ -6,7 +6,8 @@ build). It runs inside the server's workers only: `grpo_hf.vllm_plugin` register
 Like vLLM's NCCL engine, with only the transport changed: the trainer is rank 0 of the group, the workers ranks
 `rank_offset + their global rank`; each update is loaded by the model's `load_weights` inside vLLM's layerwise reload
 (`start_weight_update` / `finish_weight_update`). Each `/update_weights` is one bucket: its names, dtypes and shapes
-in the request, its bytes in one broadcast (`weight_transfer.pack` / `unpack`). At init the first worker puts the
+in the request, its bytes in a broadcast per tensor (the trainer sends its parameters as they are), or packed in one
+(`weight_transfer.pack` / `unpack`, `packed` in the init info). At init the first worker puts the
 served checkpoint's parameters into the group's store, for the trainer's check (`weight_transfer.check_same_weights`).
 """
 
@@ -41,6 +42,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     timeout_s: float = 240.0
+    packed: bool = False
 
 
 @dataclass
@@ -61,6 +63,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: GlooGroup | None = None
+        self.packed = False  # each bucket in one broadcast (as `weight_transfer.pack` packs it), or one per tensor
         # the checkpoint the server started from: a reload from files (`/collective_rpc reload_weights`) points the
         # model config at the files' directory, which the trainer deletes after it
         self.checkpoint = (self.model_config.model, getattr(self.model_config, "revision", None))
@@ -68,6 +71,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.packed = init_info.packed
         self.group = GlooGroup(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s,
             interface_host=address_towards(init_info.master_address),
@@ -95,10 +99,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("The gloo weight transfer is not initialised: call /init_weight_transfer_engine first.")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        sizes = [_nbytes(shape, name) for shape, name in zip(update_info.shapes, update_info.dtype_names, strict=True)]
-        packed = torch.empty(sum(sizes), dtype=torch.uint8)
-        self.group.broadcast(packed)
-        weights = unpack(packed, update_info.names, update_info.dtype_names, update_info.shapes)
+        names, dtype_names, shapes = update_info.names, update_info.dtype_names, update_info.shapes
+        if self.packed:
+            packed = torch.empty(sum(map(_nbytes, shapes, dtype_names)), dtype=torch.uint8)
+            self.group.broadcast(packed)
+            weights = unpack(packed, names, dtype_names, shapes)
+        else:  # a broadcast per tensor
+            weights = [(name, torch.empty(shape, dtype=getattr(torch, dtype))) for name, dtype, shape in zip(
+                names, dtype_names, shapes, strict=True)]  # fmt: skip
+            for _, tensor in weights:
+                self.group.broadcast(tensor)
         if self.device.type != "cpu":
             weights = [(name, tensor.to(self.device)) for name, tensor in weights]
         with disable_mtp_completeness_check():

@@ -9,7 +9,8 @@ the group; the server's workers are ranks 1..W, as in vLLM's NCCL backend):
 |-----------------------|--------------------------------------------|------------------------------------------------|
 | connect (once)        | `/init_weight_transfer_engine` (init info) | the workers join rank 0 on `vllm_group_port`   |
 | each push             | `/start_weight_update`                     |                                                |
-|   each bucket         | `/update_weights` (names, dtypes, shapes)  | one broadcast of the bucket's bytes, packed    |
+|   each bucket         | `/update_weights` (names, dtypes, shapes)  | its bytes: packed in one broadcast (NCCL), or  |
+|                       |                                            | a broadcast per tensor, no copy (gloo)         |
 |                       | `/finish_weight_update`, `/reset_prefix_cache` |                                            |
 
 The server loads the weights with vLLM's own load path (`model.load_weights` inside its layerwise reload). Two
@@ -197,6 +198,9 @@ class NetworkPush:
         self.timeout: float = options.get("timeout", 240.0)
         self.communicator = options.get("communicator")
         self.pushes = 0
+        # NCCL: each bucket packed into one broadcast (vLLM's packed consumer); gloo: a broadcast per tensor, straight
+        # from the parameters, so that the trainer holds no copy of a bucket (CPU latency per broadcast is small)
+        self.packed = transport == "nccl"
         self.served: list[list] | dict | None = None  # what `connect` returned: the served checkpoint's parameters
         self.checked = False  # whether `check_same_weights` passed (before the first push)
 
@@ -206,7 +210,7 @@ class NetworkPush:
         info["rank_offset"] = 1
         if self.transport == "nccl":  # vLLM's packed consumer, cut as `wire_buckets` cuts
             return {**info, "packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
-        return {**info, "timeout_s": self.timeout}
+        return {**info, "timeout_s": self.timeout, "packed": False}
 
     def connect(self) -> list[list] | dict | None:
         """Set up the group with the server's workers (once). Returns what the gloo engine says the server serves
@@ -239,12 +243,12 @@ class NetworkPush:
         sent = 0
         self.request("/start_weight_update", {})
         for index, bucket in enumerate(wire_buckets(weights, self.bucket_bytes)):
-            packed = pack(bucket)
-            if self.transport == GLOO:
-                packed = packed.cpu()
             body = {"update_info": update_info(bucket)}
+            payload = [pack(bucket)] if self.packed else [tensor.detach().contiguous() for _, tensor in bucket]
+            if self.transport == GLOO:
+                payload = [tensor.cpu() for tensor in payload]
             try:
-                concurrently(lambda b=body: self.request("/update_weights", b), lambda p=packed: self._send(p),
+                concurrently(lambda b=body: self.request("/update_weights", b), lambda p=payload: self._send(p),
                              timeout=self.timeout)  # fmt: skip
             except Exception as error:
                 raise ConnectionError(
@@ -252,8 +256,8 @@ class NetworkPush:
                     f"bucket {index + 1}): {type(error).__name__}: {error}. Its log says why (a server that died, or "
                     "one that ran out of memory); the group's waits are bounded by vllm_server_timeout."
                 ) from error
-            sent += packed.numel()
-            del packed, bucket
+            sent += sum(tensor.numel() * tensor.element_size() for tensor in payload)
+            del payload, bucket
         self.pushes += 1
         self.request("/finish_weight_update", {"weight_version": str(self.pushes)})
         self.request("/reset_prefix_cache", {})
@@ -263,8 +267,14 @@ class NetworkPush:
         """Leave the group (its port is free again); the server's workers leave it at the next init."""
         self.communicator = None
 
-    def _send(self, packed: torch.Tensor) -> None:
+    def _send(self, payload: list[torch.Tensor]) -> None:
+        for tensor in payload:
+            self._broadcast(tensor)
+
+    def _broadcast(self, packed: torch.Tensor) -> None:
         if self.transport == "nccl":  # vLLM's PyNcclCommunicator (a stand-in in tests: a CPU tensor, no stream)
+            if packed.is_cuda:  # this runs in a thread of its own, whose current device is cuda:0
+                torch.cuda.set_device(packed.device)
             stream = torch.cuda.current_stream() if packed.is_cuda else None
             self.communicator.broadcast(packed, src=0, stream=stream)
             if stream is not None:
