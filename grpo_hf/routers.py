@@ -7,7 +7,8 @@ flattened batch-major ([B, T, H] -> [B * T, H]; DeepSeek-V3's reshapes itself), 
 
 - Qwen3-MoE, Qwen2-MoE, Qwen3-Next (`<Family>TopKRouter`): top-k of softmax(logits); the weights are those
   probabilities, normalised to sum 1 if `norm_topk_prob`;
-- Qwen3.5 MoE (`Qwen3_5MoeTopKRouter`), Mixtral (`MixtralTopKRouter`, float32 weights): the same, always normalised;
+- Qwen3.5 MoE (`Qwen3_5MoeTopKRouter`), Qwen3-VL-MoE (`Qwen3VLMoeTextTopKRouter`), Mixtral (`MixtralTopKRouter`,
+  float32 weights): the same, always normalised;
 - GPT-OSS (`GptOssTopKRouter`, logits with a bias), GraniteMoeHybrid (`GraniteMoeHybridTopKRouter`): top-k of the
   logits; the weights are the softmax over the k chosen logits;
 - DeepSeek-V3 (`DeepseekV3TopkRouter`): group-limited top-k of sigmoid(logits) + `e_score_correction_bias`; the
@@ -73,7 +74,7 @@ def _softmax_normalised_if_asked(module: nn.Module, logits: Tensor, indices: Ten
 
 
 def _softmax_normalised(module: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3.5 MoE, Mixtral: always normalised."""
+    """Qwen3.5 MoE, Qwen3-VL-MoE, Mixtral: always normalised."""
     return _softmax_at(logits, indices, True)
 
 
@@ -108,6 +109,7 @@ FAMILIES = (
     Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeTopKRouter", _softmax_normalised_if_asked),
     Family("Qwen3-Next", "qwen3_next", "Qwen3NextTopKRouter", _softmax_normalised_if_asked),
     Family("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", _softmax_normalised),
+    Family("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", _softmax_normalised),
     Family("Mixtral", "mixtral", "MixtralTopKRouter", _softmax_normalised),
     Family("GPT-OSS", "gpt_oss", "GptOssTopKRouter", _softmax_of_chosen),
     Family("GraniteMoeHybrid", "granitemoehybrid", "GraniteMoeHybridTopKRouter", _softmax_of_chosen),

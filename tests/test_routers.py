@@ -42,10 +42,16 @@ OWN_CONFIGS = {  # families test_families does not build
         ),
     ),
 }
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+VL_TEXT = {**COMMON, **ATTENTION, **EXPERTS, "rope_parameters": MROPE}
+VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, num_position_embeddings=16
+)
 FAMILIES = [
     "qwen3_moe",
     "qwen2_moe",
     "qwen3_next",
+    "qwen3_vl_moe",
     "qwen3_5_moe",
     "mixtral",
     "gpt_oss",
@@ -57,6 +63,11 @@ FAMILIES = [
 def make(family: str, seed: int = 0):
     if family in CONFIGS:
         return build(family, seed).eval()
+    if family == "qwen3_vl_moe":  # a vision-language model, run on text: the routers are its text decoder's
+        torch.manual_seed(seed)
+        vision = {**VISION, "deepstack_visual_indexes": [0]}
+        config = transformers.Qwen3VLMoeConfig(text_config=VL_TEXT, vision_config=vision)
+        return transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
     name, kwargs = OWN_CONFIGS[family]
     config_class = getattr(transformers, name, None)
     if config_class is None:
@@ -117,7 +128,7 @@ def naive_weights(family: str, router, logits, indices):
         else:  # softmax over all experts, at the chosen ones, normalised when the family does
             total = sum(math.exp(v) for v in row)
             top = [math.exp(row[e]) / total for e in chosen]
-            normalise = family in ("qwen3_5_moe", "mixtral") or router.norm_topk_prob
+            normalise = family in ("qwen3_5_moe", "qwen3_vl_moe", "mixtral") or router.norm_topk_prob
             out.append([t / sum(top) for t in top] if normalise else top)
     return torch.tensor(out, dtype=torch.float64)
 
