@@ -64,3 +64,31 @@ def test_sharded_weights_are_gathered_a_bucket_at_a_time(sharded, case):
         assert len(result["sizes"]) >= 4
         assert 0 < result["peak"] <= result["bound"] < result["model_bytes"] / 4
         assert result["kept_peak"] >= 0.95 * result["model_bytes"]
+
+
+@pytest.mark.parametrize(("engine", "gathers"), [("vllm", False), ("loop", True)])
+def test_only_engines_that_decode_with_the_model_get_it_gathered(monkeypatch, tokenizer, engine, gathers):
+    """Under ZeRO-3 (and FSDP2) the sampler gathers the whole model around a rollout for engines that run its forward;
+    the vllm engine decodes with vLLM's copy and gets the model as it is: its push gathers a bucket at a time."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import trl.models.utils
+
+    from grpo_hf.rollout import sampler as sampler_module
+
+    model, gathered = build_tiny_model(tokenizer), []
+
+    @contextlib.contextmanager
+    def gather_all(wrapped, accelerator, gather_deepspeed3_params):
+        gathered.append(wrapped)
+        yield wrapped
+
+    monkeypatch.setattr(sampler_module, "is_zero3", lambda accelerator: True)
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", gather_all)
+    args = SimpleNamespace(rollout_engine=engine, ds3_gather_for_generation=True)
+    sampler = SimpleNamespace(wrapped=lambda: model, gathers=True, args=args, accelerator=SimpleNamespace(
+        unwrap_model=lambda wrapped: wrapped))  # fmt: skip
+    with sampler_module.Sampler.model_for_generation(sampler) as given:
+        assert given is model
+    assert bool(gathered) == gathers
