@@ -461,8 +461,8 @@ def _check_routes(sites: list[RouterSite], routes: Tensor) -> None:
 def replaying(model: nn.Module, routes: Tensor) -> Iterator[None]:
     """Every router call of `model` inside the block uses `routes` [B, T, L, k] (integer, -1: route live) for the
     tokens that have one, with weights from the live logits at those experts; each forward inside must be over the
-    B x T tokens `routes` describes (enter a new context for a forward of other tokens). A `recording` inside still
-    sees the live choice."""
+    B x T tokens `routes` describes (enter a new context for a forward of other tokens). A token whose k routes in a
+    layer include a -1 routes live in that layer. A `recording` inside still sees the live choice."""
     sites = router_sites(model)
     states = _states(model, sites)
     _check_routes(sites, routes)
