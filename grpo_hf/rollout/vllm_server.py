@@ -86,6 +86,7 @@ class VLLMServer:
         self.timeout = args.vllm_server_timeout
         self.is_main = accelerator is None or accelerator.is_main_process
         self.model_id, self.context_window, self.served, failure = None, None, {}, None
+        self.server_info: dict[str, Any] = {}  # its /server_info (`connect`): the weight-transfer backend, the workers
         if self.is_main or per_process:  # the processes that send requests (built on the main threads)
             try:
                 self.model_id = self.connect()
