@@ -346,3 +346,25 @@ def test_an_engine_that_cannot_record_records_nothing_with_replay_off_and_is_ref
     with pytest.raises(ValueError, match="rollout_engine='no_routes' cannot record the MoE routes"):
         make_trainer(tiny_run_args(tmp_path, preset=TRAINING, rollout_engine="no_routes", router_replay="r3"),
                      tokenizer=tokenizer, model=moe_model(tokenizer))  # fmt: skip
+
+
+class _EmptyEngine(RolloutEngine):
+    """Samples nothing (a completion of 0 tokens) and leaves the routes of the prompts it read: [N, P, 1, 1]."""
+
+    name = "empty"
+    can_record_routes = True
+
+    def sample(self, model, prompt_ids, prompt_mask):
+        self.sampling_routes = torch.arange(prompt_ids.numel(), dtype=torch.int16).reshape(*prompt_ids.shape, 1, 1)
+        return prompt_ids[:, :0]
+
+
+def test_an_empty_completion_keeps_the_prompts_routes_and_one_column_of_none():
+    engine = _EmptyEngine(generation_config(4), EOS)
+    engine.record_routes = True
+    prompt_ids, prompt_mask = prompts(G=1)
+    out = engine.generate(build("qwen3_moe"), prompt_ids, prompt_mask)
+    assert out.completion_ids.shape == (3, 1) and engine.sampling_routes.shape == (3, 8, 1, 1)
+    expected = torch.arange(21, dtype=torch.int16).reshape(3, 7).masked_fill(prompt_mask == 0, NO_ROUTE)
+    assert torch.equal(engine.sampling_routes[:, :7, 0, 0], expected)
+    assert bool((engine.sampling_routes[:, 7] == NO_ROUTE).all())
