@@ -110,9 +110,10 @@ def measure(dtype_name: str, prompts: int, tokens: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    dtype = getattr(torch, dtype_name)
-    model = tiny_qwen3_moe(dtype)
+    model = tiny_qwen3_moe(getattr(torch, dtype_name))
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    counts = dict.fromkeys(("mismatched", "pairs", "shifted", "shifted_pairs", "tokens_off", "tokens_read", "tied"), 0)
+    logp_gap = 0.0
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         llm = LLM(
@@ -121,8 +122,6 @@ def measure(dtype_name: str, prompts: int, tokens: int) -> dict:
         )  # fmt: skip
         assert sum(llm.collective_rpc(_bind)) == len(moe_layers)
         generator = torch.Generator().manual_seed(0)
-        aligned = shifted = tied = pairs = shifted_pairs = tokens_off = tokens_read = 0
-        logp_gap = 0.0
         for i in range(prompts):
             prompt = torch.randint(2, 512, (4 + 3 * i,), generator=generator).tolist()
             CAPTURED.clear()
@@ -130,39 +129,50 @@ def measure(dtype_name: str, prompts: int, tokens: int) -> dict:
                 max_tokens=tokens, temperature=1.0, seed=i, logprobs=0, detokenize=False, ignore_eos=True
             )
             completion = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
-            ours = vllm_routes(CAPTURED, moe_layers).sort(-1).values  # [P + T - 1, L, k]
-            ids = torch.tensor(prompt + list(completion.token_ids))
-            theirs, probs, logits = forward_routes(model, ids)
-            logps = logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, ids[len(prompt) :, None])[:, 0]
-            drawn = zip(completion.token_ids, completion.logprobs, strict=True)
-            sampled = [entry[token].logprob for token, entry in drawn]
-            logp_gap = max(logp_gap, (logps - torch.tensor(sampled)).abs().max().item())
-            theirs = theirs.sort(-1).values[: len(ids) - 1]  # the tokens vLLM read
-            assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-            differ = (ours != theirs).any(-1)  # [S, L]
-            aligned += int(differ.sum())
-            pairs += differ.numel()
-            tokens_off += int(differ.any(-1).sum())
-            tokens_read += differ.size(0)
-            shifted += int((ours[:-1] != theirs[1:]).any(-1).sum())
-            shifted_pairs += differ[1:].numel()
-            top = probs[: len(ids) - 1].sort(-1, descending=True).values  # [S, L, E]
-            k = ours.size(-1)
-            near_tie = (top[..., k - 1] - top[..., k]) < 1e-3
-            tied += int((differ & near_tie).sum())
+            one, gap = compare_one(model, vllm_routes(CAPTURED, moe_layers), prompt, completion)
+            counts = {key: counts[key] + one[key] for key in counts}
+            logp_gap = max(logp_gap, gap)
         del llm
     return {
         "dtype": dtype_name,
         "prompts": prompts,
         "tokens": tokens,
-        "pairs": pairs,
-        "route_mismatch": aligned / pairs,
-        "token_mismatch": tokens_off / tokens_read,
-        "shifted": shifted / shifted_pairs,
-        "mismatched_near_ties": tied,
-        "mismatched": aligned,
+        "pairs": counts["pairs"],
+        "route_mismatch": counts["mismatched"] / counts["pairs"],
+        "token_mismatch": counts["tokens_off"] / counts["tokens_read"],
+        "shifted": counts["shifted"] / counts["shifted_pairs"],
+        "mismatched_near_ties": counts["tied"],
+        "mismatched": counts["mismatched"],
         "logp_gap": logp_gap,  # max |vLLM's log-prob - the forward's| of the sampled tokens: the same weights
     }
+
+
+def compare_one(model, routes, prompt: list[int], completion) -> tuple[dict, float]:
+    """One request: vLLM's `routes` [P + T - 1, L, k] against the forward's over prompt + completion -> counts, and
+    the largest gap between vLLM's log-probs of its tokens and the forward's."""
+    import torch
+
+    ours = routes.sort(-1).values
+    ids = torch.tensor(prompt + list(completion.token_ids))
+    theirs, probs, logits = forward_routes(model, ids)
+    logps = logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, ids[len(prompt) :, None])[:, 0]
+    sampled = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+    theirs = theirs.sort(-1).values[: len(ids) - 1]  # the tokens vLLM read
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    differ = (ours != theirs).any(-1)  # [S, L]
+    top = probs[: len(ids) - 1].sort(-1, descending=True).values  # [S, L, E]
+    k = ours.size(-1)
+    near_tie = (top[..., k - 1] - top[..., k]) < 1e-3
+    one = {
+        "mismatched": int(differ.sum()),
+        "pairs": differ.numel(),
+        "tokens_off": int(differ.any(-1).sum()),
+        "tokens_read": differ.size(0),
+        "shifted": int((ours[:-1] != theirs[1:]).any(-1).sum()),
+        "shifted_pairs": differ[1:].numel(),
+        "tied": int((differ & near_tie).sum()),
+    }
+    return one, (logps - torch.tensor(sampled)).abs().max().item()
 
 
 def check_api(dtype_name: str, prompts: int, tokens: int) -> dict:
