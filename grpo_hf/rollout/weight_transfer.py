@@ -311,21 +311,12 @@ def concurrently(*calls: Callable[[], Any], timeout: float) -> list[Any]:
 
 # ---- the check at connect ---------------------------------------------------------------------------------------
 def policy_weights(model) -> list[tuple[str, str, tuple[int, ...], bool]]:
-    """`(checkpoint name, dtype, full shape, tied)` of each weight `weights.named_weights(model)` yields, without
-    gathering anything: a DTensor's shape is its full one, a ZeRO-3 parameter keeps it as `ds_shape`. `tied`: a
-    second name of a tensor listed before (a tied lm_head), which a checkpoint may leave out."""
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
-    adapter = next(iter(model.peft_config), "default") if hasattr(model, "peft_config") else None
-    seen, rows = set(), []
-    for name, param in base.named_parameters(remove_duplicate=False):
-        if adapter is not None:
-            if "lora_" in name or ".original_module." in name:
-                continue
-            name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-        shape = tuple(getattr(param, "ds_shape", param.shape))
-        rows.append((name, str(param.dtype).removeprefix("torch."), shape, id(param) in seen))
-        seen.add(id(param))
-    return rows
+    """`weights.weight_shapes(model)` (name, dtype, full shape, tied; nothing gathered), dtypes named as sent."""
+    from grpo_hf.rollout.weights import weight_shapes
+
+    return [
+        (name, str(dtype).removeprefix("torch."), shape, tied) for name, dtype, shape, tied in weight_shapes(model)
+    ]
 
 
 def check_same_weights(policy: list[tuple[str, str, tuple[int, ...], bool]], served, url: str) -> None:

@@ -64,6 +64,17 @@ def named_weights(
         yield from bucket
 
 
+def weight_shapes(model, merge_lora: bool = True) -> list[tuple[str, torch.dtype, tuple[int, ...], bool]]:
+    """(checkpoint name, dtype, full shape, tied) of each weight `weight_buckets` yields, in its order, without
+    gathering anything: a DTensor's shape is its full one, a ZeRO-3 parameter keeps it as `ds_shape`. `tied`: a
+    second name of one weight (a tied lm_head), which a checkpoint may leave out."""
+    rows = []
+    for item in _plan(model, merge_lora):
+        shape = tuple(getattr(item.param, "ds_shape", item.param.shape))
+        rows.extend((name, item.param.dtype, shape, index > 0) for index, name in enumerate(item.names))
+    return rows
+
+
 def weight_buckets(model, bucket_bytes: int = BUCKET_BYTES, merge_lora: bool = True) -> Iterator[Bucket]:
     """The model's weights as lists of (checkpoint name, full tensor), gathered one bucket at a time: at most
     `bucket_bytes` gathered at once (a LoRA layer's A and B and its merged copy counted; a weight larger than that
