@@ -240,3 +240,34 @@ def test_the_policys_names_under_lora_are_the_merged_weights_names(tokenizer):
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     rows = policy_weights(peft_model)
     assert [(n, tuple(t.shape)) for n, t in named_weights(peft_model)] == [(n, s) for n, _, s, _ in rows]
+
+
+def test_grpo_hf_vllm_serve_starts_the_server_with_a_network_transport_unless_told_otherwise():
+    """gloo (grpo_hf's engine, registered by its vLLM plugin) without a GPU, vLLM's nccl with one; a
+    --weight-transfer-config of the user's is kept as given."""
+    import json
+
+    from grpo_hf.vllm_serve import serve_command
+
+    def backend(argv):
+        values = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--weight-transfer-config"]
+        return [json.loads(value)["backend"] for value in values]
+
+    assert backend(serve_command("m", "127.0.0.1", 8000, [], gpu=False)[0]) == ["gloo"]
+    assert backend(serve_command("m", "127.0.0.1", 8000, [], gpu=True)[0]) == ["nccl"]
+    mine = ["--weight-transfer-config", '{"backend": "ipc"}']
+    assert backend(serve_command("m", "127.0.0.1", 8000, mine, gpu=True)[0]) == ["ipc"]
+    assert "--weight-transfer-config=x" in serve_command("m", "h", 1, ["--weight-transfer-config=x"], gpu=False)[0]
+    assert backend(serve_command("m", "h", 1, ["--weight-transfer-config=x"], gpu=False)[0]) == []
+
+
+def test_the_vllm_plugin_is_an_entry_point_of_vllms_general_plugins():
+    """vLLM calls every `vllm.general_plugins` entry point in each of its processes: grpo_hf's registers the gloo
+    engine (the installed package's metadata, from pyproject.toml)."""
+    from importlib.metadata import entry_points
+
+    from grpo_hf import vllm_plugin
+
+    (plugin,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "grpo_hf"]
+    assert plugin.value == "grpo_hf.vllm_plugin:register" and plugin.load() is vllm_plugin.register
+    assert vllm_plugin.ENGINE == ("grpo_hf.rollout.vllm_gloo", "GlooWeightTransferEngine")
