@@ -94,7 +94,9 @@ def test_training_with_a_server_syncs_the_weights_and_gives_each_process_its_row
     process that asked for them. Under FSDP2 the policy is sharded (DTensors) and the pushed weights are gathered
     from the shards."""
     results = _train(tmp_path, server, num_processes, layout)
+    assert results[0]["transport"] == "gloo"  # vllm_server_weight_transfer='auto' with grpo_hf.vllm_serve on CPUs
     for result in results:
+        assert result["files_written"] == 0
         assert result["equal"] and result["tokens"] > 0
         assert result["pushes"] == 3
         assert len(result["losses"]) == 2
@@ -123,7 +125,9 @@ def test_the_producer_samples_from_the_server_one_step_behind(tmp_path, server, 
     """max_staleness=1 with a server, under DDP and FSDP2 (whose weights the main threads gather for the push): the
     producer runs one step ahead, every batch within the bound and the later ones one step stale, the weights of each
     step pushed once, and the trained weights on the server at the end (greedy completions equal the model's)."""
-    for result in _train(tmp_path, server, num_processes, layout, staleness=1):
+    results = _train(tmp_path, server, num_processes, layout, staleness=1)
+    assert results[0]["transport"] == "gloo" and all(result["files_written"] == 0 for result in results)
+    for result in results:
         assert result["equal"] and result["tokens"] > 0
         assert result["producer_pushes"] == [1, 2]
         stalenesses = [row["async/staleness_max"] for row in result["logs"]]

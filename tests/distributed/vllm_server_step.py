@@ -9,8 +9,9 @@ rows back. With `fsdp2`, the policy is sharded with FSDP2 (accelerate's FSDP pat
 harness's patch): process 0 pushes weights gathered from the shards. `sync-3`: the same for 3 steps at a lower
 learning rate; a STALENESS (0, 1, ...): an `AsyncGRPOTrainer` at that max_staleness instead (its producer thread
 samples from the server), as `sync-3`. `fsdp2-reward`: `fsdp2` with a reward model too (sharded like the reference
-model): the threads its forwards ran on are recorded. Writes OUT_PREFIX-<rank>.json (with the logs and the versions
-the producer pushed) and the trained parameters in OUT_PREFIX-<rank>.pt.
+model): the threads its forwards ran on are recorded. Writes OUT_PREFIX-<rank>.json (with the logs, the versions
+the producer pushed, the transport process 0 pushed through and the files written) and the trained parameters in
+OUT_PREFIX-<rank>.pt.
 """
 
 import contextlib
@@ -32,6 +33,7 @@ from grpo_hf import AsyncGRPOTrainer, GRPOTrainer  # noqa: E402
 from grpo_hf.parallel import fsdp2_gathered  # noqa: E402
 from grpo_hf.producer import ServerWeights  # noqa: E402
 from grpo_hf.rollout import tokenize_prompts  # noqa: E402
+from grpo_hf.rollout import vllm_server as server_module  # noqa: E402
 
 
 def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", staleness: str = "sync") -> None:
@@ -65,6 +67,10 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
     )
     dataset = Dataset.from_dict({"prompt": ["Hi", "2+2=", "abc", "The fox"] * 2})
     reward = lambda completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids]  # noqa: E731
+    written = []  # the directories the files transport wrote (none: the weights go over the gloo group)
+    write_shards = server_module.write_shards
+    server_module.write_shards = lambda weights, directory: (written.append(directory), write_shards(weights,
+                                                             directory))[1]  # fmt: skip
     pushed = []  # the versions the producer pushed to the server (async)
     stage = ServerWeights.stage
     ServerWeights.stage = lambda self, version: (stage(self, version), pushed.append(version))[0]
@@ -111,6 +117,8 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
         "logs": [row for row in trainer.state.log_history if "loss" in row],
         "producer_pushes": pushed,
         "reward_threads": sorted(reward_threads),
+        "transport": next((link.transport for link in server_module.NETWORK_LINKS.values()), "files"),
+        "files_written": len(written),
     }
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
     exit_without_teardown()
