@@ -13,17 +13,12 @@ weight-transfer engine, which `vllm_server_weight_transfer='auto'` picks):
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_tiny_model, tiny_run_args, torchrun
+from test_vllm_server import free_port, running_server
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.vllm
@@ -31,45 +26,15 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [[5, 60, 70, 80], [9, 33, 41], [7, 7, 100, 12, 64]]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tokenizer):
-    """A `vllm serve --enable-lora --max-lora-rank 8` of a tiny Llama (tied embeddings) on 127.0.0.1, stopped when
-    the module's tests are done. Yields (base_url, model_dir)."""
+    """A `vllm serve --enable-lora --max-lora-rank 8` of a tiny Llama (tied embeddings) on 127.0.0.1
+    (`test_vllm_server.running_server`), stopped when the module's tests are done. Yields (base_url, model_dir)."""
     model_dir = tmp_path_factory.mktemp("served")
     build_tiny_model(tokenizer, hidden_size=128, seed=3, tied=True).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    port, log = free_port(), open(model_dir / "server.log", "w")  # noqa: SIM115
-    command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", str(model_dir), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
-    command += ["--enable-lora", "--max-lora-rank", "8"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (model_dir / "server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start in 180 s"
-                time.sleep(1)
+    with running_server(model_dir, ("--enable-lora", "--max-lora-rank", "8")) as (url, _):
         yield url, model_dir
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        log.close()
 
 
 def _lora_policy(model_dir):

@@ -44,13 +44,13 @@ def server(tmp_path_factory, tokenizer):
 
 
 @contextlib.contextmanager
-def running_server(model_dir):
+def running_server(model_dir, extra: tuple[str, ...] = ()):
     """`python -m grpo_hf.vllm_serve` of the model saved in `model_dir` on a free port of 127.0.0.1 (its log in
-    `model_dir`/server.log), once it answers /health; stopped at the end (SIGTERM, then SIGKILL to its process group
-    after 30 s). Yields (base_url, the server's process)."""
+    `model_dir`/server.log), with the server flags `extra`, once it answers /health; stopped at the end (SIGTERM, then
+    SIGKILL to its process group after 30 s). Yields (base_url, the server's process)."""
     port, log = free_port(), open(model_dir / "server.log", "w")  # noqa: SIM115
     command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", str(model_dir), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
+    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512", *extra]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
