@@ -227,8 +227,10 @@ def test_the_check_at_connect_names_the_first_parameters_that_differ(tokenizer, 
     with caplog.at_level("INFO", logger="grpo_hf"):
         check_same_weights(policy, [[n, "bfloat16", s] for n, _, s in served], "http://x")
         check_same_weights(policy, {"error": "no safetensors files"}, "http://x")
+        check_same_weights(policy, None, "http://x")
     assert "float32, the server's checkpoint bfloat16: vLLM casts them" in caplog.text
-    assert "could not list its checkpoint's parameters (no safetensors files)" in caplog.text
+    assert "could not be listed (no safetensors files): not compared" in caplog.text
+    assert "could not be listed (nothing was listed)" in caplog.text
 
 
 def test_the_policys_names_under_lora_are_the_merged_weights_names(tokenizer):

@@ -43,6 +43,7 @@ from grpo_hf.rollout.weight_transfer import (
     NetworkPush,
     address_towards,
     check_same_weights,
+    checkpoint_weights,
     choose_transport,
     policy_weights,
 )
@@ -222,6 +223,8 @@ class VLLMServer:
                 bucket_bytes=SHARD_BYTES, timeout=self.timeout,
             )  # fmt: skip
             link.served = link.connect()
+            if link.served is None:  # vLLM's NCCL engine lists nothing: the checkpoint, where this machine reads it
+                link.served = checkpoint_weights(self.served.get("root") or self.model_id)
             NETWORK_LINKS[key] = link
         return NETWORK_LINKS[key]
 

@@ -323,8 +323,9 @@ def check_same_weights(policy: list[tuple[str, str, tuple[int, ...], bool]], ser
     """Raise a ValueError naming the first parameters that differ between the policy (`policy_weights`) and the
     served checkpoint (`[[name, dtype, shape], ...]`, or `{"error": why}` when the server could not read it: logged,
     the config check having passed). A dtype that differs is the server's to cast, as from files: logged once."""
-    if isinstance(served, dict):
-        logger.info(f"The vLLM server at {url} could not list its checkpoint's parameters ({served.get('error')}).")
+    if served is None or isinstance(served, dict):
+        why = "nothing was listed" if served is None else served.get("error")
+        logger.info(f"The parameters of the vLLM server at {url} could not be listed ({why}): not compared.")
         return
     theirs = {name: (dtype, tuple(shape)) for name, dtype, shape in served}
     ours = {name: (dtype, shape) for name, dtype, shape, _ in policy}
