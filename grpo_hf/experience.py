@@ -128,6 +128,9 @@ class ExperienceMaker:
         self.replay = self.sampling_replay()
         # An MoE policy's routing replay and router metrics (`grpo_hf.replay`); None: a dense model, replay off
         self.router = RouterReplay.of(args.router_replay, accelerator.unwrap_model(models.policy()), metrics)
+        # Its log-prob gap: the engine's own log-probs, where no loss reads them (no correction, no off-policy mask)
+        quiet = args.sampling_correction() is None and args.off_policy_mask_threshold is None
+        sampler.metric_logps = self.router is not None and quiet
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
         # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
         # inside one accumulation window.

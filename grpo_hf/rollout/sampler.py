@@ -148,6 +148,9 @@ class Sampler:
         self.environments_in_use: list | None = None  # the last rollout's environment instances, one per row
         self.warned_cut = False  # whether prompts over max_prompt_length were reported (once a run)
         self.record_logps = record_logps  # the engine records its log-probs (`RolloutEngine.record_logps`)
+        # the engine records its log-probs where it can (no engine is ruled out), for metrics that no loss reads
+        # (`replay.RouterReplay`'s log-prob gap); set by the trainer
+        self.metric_logps = False
         self.gathers = True  # a sharded policy's weights are gathered for the rollout (False: `for_model`)
         self.engine: RolloutEngine | None = None  # chosen at the first rollout (`engine_for`)
         self.moe: bool | None = None  # the policy has MoE routers whose routes the engine records (`_is_moe`)
@@ -376,7 +379,7 @@ class Sampler:
         layers on their merged copies (`lora_decode`) for the duration."""
         with self.model_for_generation() as model:
             engine = self.engine_for(model)
-            engine.record_logps = self.record_logps
+            engine.record_logps = self.record_logps or (self.metric_logps and engine.can_record_logps)
             engine.record_routes = engine.can_record_routes and self._is_moe(model)
             with self.lora_decode.applied() if self.lora_decode is not None else contextlib.nullcontext():
                 yield model, engine
