@@ -189,23 +189,33 @@ def test_concurrently_raises_the_first_failure_without_waiting_for_the_others():
 
 
 def test_a_gloo_group_broadcasts_from_rank_0():
-    """The group both sides open (trainer: rank 0, hosting the store; a worker: rank 1), here in two threads."""
+    """The group both sides open (trainer: rank 0, hosting the store; a worker: rank 1), here in two threads: each
+    tensor arrives whole whatever its dtype."""
     from test_vllm_server import free_port
 
     port, got = free_port(), {}
 
     def member(rank):
         group = GlooGroup("127.0.0.1", port, rank, 2, 30, "127.0.0.1")
-        tensor = torch.arange(10, dtype=torch.uint8) if rank == 0 else torch.zeros(10, dtype=torch.uint8)
-        group.broadcast(tensor)
-        got[rank] = tensor
+        got[rank] = [torch.zeros(shape, dtype=dtype) for shape, dtype in SENT]
+        for tensor, (shape, dtype) in zip(got[rank], SENT, strict=True):
+            if rank == 0:
+                tensor.copy_(torch.arange(tensor.numel()).view(shape).to(dtype))
+            group.broadcast(tensor)
 
     threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert torch.equal(got[1], torch.arange(10, dtype=torch.uint8))
+    for (shape, dtype), received in zip(SENT, got[1], strict=True):
+        assert received.dtype == dtype and torch.equal(received, torch.arange(received.numel()).view(shape).to(dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        GlooGroup.broadcast(None, torch.zeros(4, 4).t())
+
+
+SENT = [((10,), torch.uint8), ((3, 4), torch.bfloat16), ((), torch.float32), ((5,), torch.float8_e4m3fn)]
+"""Tensors of every kind a weight can be: gloo itself has no float8, a 0-dim tensor has no last dimension to view."""
 
 
 def test_the_check_at_connect_names_the_first_parameters_that_differ(tokenizer, caplog):

@@ -164,12 +164,14 @@ class GlooGroup:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, self.store), rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0's `tensor` into every rank's (a CPU tensor)."""
+        """Rank 0's `tensor` into every rank's (a contiguous CPU tensor), as bytes: gloo has no float8 types."""
         import torch.distributed as dist
 
+        if not tensor.is_contiguous():
+            raise ValueError("GlooGroup.broadcast takes a contiguous tensor (it sends and fills its bytes in place).")
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
+        self.group.broadcast([tensor.reshape(-1).view(torch.uint8)], options).wait()
 
 
 def address_towards(host: str) -> str:
