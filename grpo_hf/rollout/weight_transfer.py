@@ -247,8 +247,6 @@ class NetworkPush:
         for index, bucket in enumerate(wire_buckets(weights, self.bucket_bytes)):
             body = {"update_info": update_info(bucket)}
             payload = [pack(bucket)] if self.packed else [tensor.detach().contiguous() for _, tensor in bucket]
-            if self.transport == GLOO:
-                payload = [tensor.cpu() for tensor in payload]
             try:
                 concurrently(lambda b=body: self.request("/update_weights", b), lambda p=payload: self._send(p),
                              timeout=self.timeout)  # fmt: skip
@@ -281,8 +279,8 @@ class NetworkPush:
             self.communicator.broadcast(packed, src=0, stream=stream)
             if stream is not None:
                 stream.synchronize()
-        else:
-            self.communicator.broadcast(packed)
+        else:  # gloo: from the CPU (a trainer on CUDA copies one tensor at a time)
+            self.communicator.broadcast(packed.cpu())
 
 
 def concurrently(*calls: Callable[[], Any], timeout: float) -> list[Any]:
