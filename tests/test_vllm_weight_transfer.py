@@ -2,7 +2,8 @@
 grpo_hf's gloo weight-transfer engine, registered in the server's processes by grpo_hf's vLLM plugin): vLLM's routes,
 its workers' load path and the gloo group, with the trainer's side of `grpo_hf.rollout.weight_transfer`.
 
-One server for the module; its last test kills it during a push."""
+One server for the module; the last test that uses it kills it during a push. The NCCL path is checked against vLLM's
+own NCCL engine without a GPU (its parsing and its packer), at the end."""
 
 import os
 import signal
@@ -117,7 +118,7 @@ def test_a_policy_that_is_not_the_served_model_is_refused_before_any_rollout(tmp
 
 
 def test_a_server_that_dies_during_a_push_stops_the_run_with_its_message(tmp_path, served, links, monkeypatch):
-    """Last in this module: it kills the module's server. At the second push, once a few weights are on their way,
+    """The last test of this module that uses its server: it kills it. At the second push, once a few weights are on their way,
     the server's processes are killed: the run stops with a ConnectionError naming the push, the bucket and the
     server's failure, within seconds (not a hang in the group)."""
     process, pushes = served[2], []
@@ -137,3 +138,32 @@ def test_a_server_that_dies_during_a_push_stops_the_run_with_its_message(tmp_pat
     with pytest.raises(ConnectionError, match=r"stopped taking the weights over gloo \(push 2, bucket \d+\)"):
         trainer.train()
     assert time.monotonic() - start < 60
+
+
+def test_the_nccl_path_speaks_vllms_nccl_engine(tokenizer):
+    """No GPU here, so the NCCL calls are stood in (`test_weight_transfer.StandIn`), and what they would carry is
+    checked against vLLM's own NCCL engine: it parses the init info and every /update_weights body, and vLLM's packer
+    (`pack_tensors`, the producer of its packed NCCL broadcast) cuts the same weights into the same chunks, byte for
+    byte, as the broadcasts grpo_hf sends."""
+    from test_weight_transfer import StandIn
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from grpo_hf.rollout.weight_transfer import NetworkPush
+    from grpo_hf.rollout.weights import named_weights
+
+    model = build_tiny_model(tokenizer, hidden_size=32, tied=True)
+    stand_in, bound = StandIn(), 20_000
+    link = NetworkPush(stand_in.request, "nccl", "10.0.0.1", 51216, 2, bucket_bytes=bound, communicator=stand_in)
+    init = NCCLWeightTransferEngine.init_info_cls(**link.init_info())
+    assert (init.packed, init.packed_buffer_size_bytes, init.rank_offset, init.world_size) == (True, bound, 1, 2)
+    link.push(named_weights(model))
+    weights, chunks = iter(named_weights(model)), []
+    while (chunk := pack_tensors(weights, lambda item: item[1], bound)) is not None:
+        chunks.append(chunk)
+    assert len(chunks) == len(stand_in.received) == len(stand_in.metadata) > 2
+    for chunk, sent, body in zip(chunks, stand_in.received, stand_in.metadata, strict=True):
+        info = NCCLWeightTransferEngine.update_info_cls(**body)
+        assert info.names == chunk.names and info.shapes == chunk.shapes
+        assert [getattr(torch, name) for name in info.dtype_names] == chunk.dtypes
+        assert torch.equal(sent, chunk.packed_tensor)
