@@ -118,9 +118,9 @@ def test_a_policy_that_is_not_the_served_model_is_refused_before_any_rollout(tmp
 
 
 def test_a_server_that_dies_during_a_push_stops_the_run_with_its_message(tmp_path, served, links, monkeypatch):
-    """The last test of this module that uses its server: it kills it. At the second push, once a few weights are on their way,
-    the server's processes are killed: the run stops with a ConnectionError naming the push, the bucket and the
-    server's failure, within seconds (not a hang in the group)."""
+    """The last test of this module that uses its server: it kills it. At the second push, once a few weights are on
+    their way, the server's processes are killed: the run stops with a ConnectionError naming the push, the bucket
+    and the server's failure, within seconds (not a hang in the group)."""
     process, pushes = served[2], []
     walk = vllm_server.named_weights
 
