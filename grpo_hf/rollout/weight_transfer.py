@@ -253,8 +253,9 @@ class NetworkPush:
             except Exception as error:
                 raise ConnectionError(
                     f"The vLLM server stopped taking the weights over {self.transport} (push {self.pushes + 1}, "
-                    f"bucket {index + 1}): {type(error).__name__}: {error}. Its log says why (a server that died, or "
-                    "one that ran out of memory); the group's waits are bounded by vllm_server_timeout."
+                    f"bucket {index + 1}): {type(error).__name__}: {str(error).rstrip('.')}. Its log says why (a "
+                    "server that died, or one that ran out of memory); the group's waits are bounded by "
+                    "vllm_server_timeout."
                 ) from error
             sent += sum(tensor.numel() * tensor.element_size() for tensor in payload)
             del payload, bucket
