@@ -133,3 +133,18 @@ def test_a_lora_policy_trains_with_adapter_pushes(tmp_path, server):
     (result,) = _run(tmp_path, server, "lora-adapter", 1)
     assert result["equal"] and result["tokens"] > 0
     assert result["pushes"] == 3 and result["adapter_bytes"] > 0
+
+
+def test_a_resumed_async_run_pushes_over_a_new_group_and_each_batch_is_sampled_by_its_version(tmp_path, server):
+    """AsyncGRPOTrainer at max_staleness=1 stopped after its step-2 checkpoint, then resumed from it by a new process
+    (which joins the server's workers in a new gloo group): the resumed run pushes over gloo, writes no file, takes
+    the last 2 steps, and each of its batches was sampled by the weights of the version it says (its first ones by
+    the resumed weights, version 2: fresher than their admission allows, never staler)."""
+    (stopped,) = _run(tmp_path, server, "async-stop", 1)
+    assert stopped["steps"] == 2 and stopped["transport"] == "gloo"
+    (resumed,) = _run(tmp_path, server, "async-resume", 1)
+    assert resumed["steps"] == 4 and resumed["transport"] == "gloo" and resumed["files_written"] == 0
+    assert [batch["version"] for batch in resumed["batches"]][0] == 2
+    for batch in resumed["batches"]:
+        assert batch["gap_at_version"] <= 1e-4, batch
+        assert batch["gap_at_next"] > 10 * max(batch["gap_at_version"], 1e-6), batch

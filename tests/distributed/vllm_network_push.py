@@ -1,12 +1,14 @@
 """Training runs whose weights reach a running `vllm serve` through the network transport, under torchrun:
 
-    python tests/distributed/vllm_network_push.py OUT_PREFIX BASE_URL MODEL_DIR async-fsdp2|lora-adapter
+    python tests/distributed/vllm_network_push.py OUT_PREFIX BASE_URL MODEL_DIR MODE
 
 `async-fsdp2` (2 processes): AsyncGRPOTrainer at max_staleness=1, the policy sharded by FSDP2, 4 optimizer steps.
 The weights of every version pushed are recorded as they are pushed (`ServerWeights.attach` / `stage`, on every
 process: the gather is collective), and so is every generation batch the trainer takes (its version, tokens and vLLM's
 log-probs). After training each process recomputes, for each of its batches, the log-probs of the sampled tokens
 under the weights of the batch's version and of the next one, and writes the largest gaps to vLLM's.
+`async-stop` then `async-resume` (1 process each, DDP): the same run stopped after its step-2 checkpoint, then resumed
+from it by a new process (a new weight-transfer group with the server), whose batches are checked the same way.
 `lora-adapter` (1 process): GRPOTrainer with a LoRA policy and vllm_server_lora_push='adapter', 2 steps, then greedy
 completions from the server through the run's engine against the trained model's `generate`.
 
@@ -15,12 +17,13 @@ Writes OUT_PREFIX-<rank>.json: the transport used, the network pushes and the fi
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's helpers
 
@@ -33,6 +36,13 @@ from grpo_hf.rollout import vllm_server as server_module  # noqa: E402
 from grpo_hf.rollout.weights import named_weights  # noqa: E402
 
 FILES_WRITTEN = []  # directories the files transport wrote (none expected)
+
+
+def free_port() -> int:
+    """A port free on this machine now, for the weight-transfer group (other runs may hold the default)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def record_files() -> None:
@@ -118,25 +128,32 @@ def main(prefix: str, base_url: str, model_dir: str, mode: str) -> None:
     common = dict(
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.0, use_vllm=True,
         vllm_mode="server", vllm_server_base_url=base_url, vllm_server_timeout=60, use_cpu=True, save_strategy="no",
-        seed=0, temperature=1.0, top_p=1.0, top_k=0,
+        seed=0, temperature=1.0, top_p=1.0, top_k=0, vllm_group_port=free_port(),  # used by process 0 only
     )  # fmt: skip
     if mode == "lora-adapter":
         return train_lora(prefix, model, tokenizer, dataset, common)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sharded import allow_fsdp_on_cpu
+    sharding = {}
+    if mode == "async-fsdp2":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from sharded import allow_fsdp_on_cpu
 
-    allow_fsdp_on_cpu()
+        allow_fsdp_on_cpu()
+        sharding = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    else:  # async-stop / async-resume: one run stopped after its step-2 checkpoint, resumed by another process
+        common.update(output_dir=str(Path(prefix).parent / "resumed-out"), save_strategy="steps", save_steps=2)
     versions, batches, box = {}, [], []
     record_versions(versions)
     record_batches(batches, box)
     args = tiny_run_args(
-        f"{prefix}-out", {}, max_steps=4, learning_rate=3e-3, max_staleness=1,
-        fsdp="full_shard", fsdp_config={"version": 2}, **common,
+        common.pop("output_dir", f"{prefix}-out"), {}, max_steps=4, learning_rate=3e-3, max_staleness=1, **sharding,
+        **common,
     )  # fmt: skip
     reward = lambda completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids]  # noqa: E731
-    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=AsyncGRPOTrainer)
+    callbacks = [StopAt(2)] if mode == "async-stop" else None
+    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=AsyncGRPOTrainer,
+                           callbacks=callbacks)  # fmt: skip
     box.append(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-2" if mode == "async-resume" else None)
     versions[trainer.state.global_step] = {
         name: t.clone() for name, t in named_weights(trainer.accelerator.unwrap_model(trainer.model))
     }
@@ -145,10 +162,21 @@ def main(prefix: str, base_url: str, model_dir: str, mode: str) -> None:
     result = {
         "rank": rank, "transport": transport, "network_pushes": pushes, "files_written": len(FILES_WRITTEN),
         "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
-        "batches": gaps(model_dir, versions, batches),
+        "steps": trainer.state.global_step, "batches": gaps(model_dir, versions, batches),
     }  # fmt: skip
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
     exit_without_teardown()
+
+
+class StopAt(TrainerCallback):
+    """Stops training after optimizer step `step` (once its checkpoint is saved), as a preempted job would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
 
 
 def train_lora(prefix, model, tokenizer, dataset, common) -> None:
