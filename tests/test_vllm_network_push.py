@@ -7,8 +7,9 @@ weight-transfer engine, which `vllm_server_weight_transfer='auto'` picks):
   apart), and not what the base model samples;
 - two FSDP2 processes under `AsyncGRPOTrainer` at max_staleness=1 push over gloo, and every generation batch was
   sampled by the weights of the version it says (vLLM's log-probs of its tokens are the trainer's at that version's
-  weights, not the next's);
-- a LoRA policy trained with adapter pushes: the server's completions after training are the trained model's.
+  weights, not the next's), also in a run resumed from its checkpoint by a new process;
+- a LoRA policy trained with adapter pushes, and 2 processes under DeepSpeed ZeRO-3: the server's completions after
+  training are the trained model's.
 """
 
 import json
@@ -148,3 +149,14 @@ def test_a_resumed_async_run_pushes_over_a_new_group_and_each_batch_is_sampled_b
     for batch in resumed["batches"]:
         assert batch["gap_at_version"] <= 1e-4, batch
         assert batch["gap_at_next"] > 10 * max(batch["gap_at_version"], 1e-6), batch
+
+
+def test_two_zero3_processes_push_over_gloo(tmp_path, server):
+    """GRPOTrainer under DeepSpeed ZeRO-3 on 2 CPU processes, 2 steps: the pushes gather the partitioned weights a
+    bucket at a time and go over the gloo group (no file written), and each process's greedy completions from the
+    server are its trained model's."""
+    results = _run(tmp_path, server, "zero3", 2)
+    assert results[0]["transport"] == "gloo" and results[0]["network_pushes"] == 3
+    for result in results:
+        assert result["sharded"] and result["files_written"] == 0
+        assert result["equal"] and result["tokens"] > 0

@@ -10,11 +10,13 @@ under the weights of the batch's version and of the next one, and writes the lar
 `async-stop` then `async-resume` (1 process each, DDP): the same run stopped after its step-2 checkpoint, then resumed
 from it by a new process (a new weight-transfer group with the server), whose batches are checked the same way.
 `lora-adapter` (1 process): GRPOTrainer with a LoRA policy and vllm_server_lora_push='adapter', 2 steps, then greedy
-completions from the server through the run's engine against the trained model's `generate`.
+completions from the server through the run's engine against the trained model's `generate`. `zero3` (2 processes):
+the same under DeepSpeed ZeRO-3 without LoRA (the sharded harness's CPU patch), each process with prompts of its own.
 
 Writes OUT_PREFIX-<rank>.json: the transport used, the network pushes and the files written by this process.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -115,7 +117,7 @@ def gaps(model_dir, versions, batches) -> list[dict]:
     return out
 
 
-def transport_of(engine) -> tuple[str, int]:
+def transport_of() -> tuple[str, int]:
     link = next(iter(server_module.NETWORK_LINKS.values()), None)
     return (link.transport if link is not None else "files"), (link.pushes if link is not None else 0)
 
@@ -132,6 +134,8 @@ def main(prefix: str, base_url: str, model_dir: str, mode: str) -> None:
     )  # fmt: skip
     if mode == "lora-adapter":
         return train_lora(prefix, model, tokenizer, dataset, common)
+    if mode == "zero3":
+        return train_zero3(prefix, model, tokenizer, dataset, common)
     sharding = {}
     if mode == "async-fsdp2":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -158,7 +162,7 @@ def main(prefix: str, base_url: str, model_dir: str, mode: str) -> None:
         name: t.clone() for name, t in named_weights(trainer.accelerator.unwrap_model(trainer.model))
     }
     rank = trainer.accelerator.process_index
-    transport, pushes = transport_of(None)
+    transport, pushes = transport_of()
     result = {
         "rank": rank, "transport": transport, "network_pushes": pushes, "files_written": len(FILES_WRITTEN),
         "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
@@ -179,6 +183,48 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+def train_zero3(prefix, model, tokenizer, dataset, common) -> None:
+    """GRPOTrainer under DeepSpeed ZeRO-3 (the sharded harness's CPU patch), 2 steps; then each process's greedy
+    completions from the server against its model's own, the parameters gathered for `generate`."""
+    import deepspeed
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sharded import allow_deepspeed_on_cpu, zero
+
+    allow_deepspeed_on_cpu()
+    args = tiny_run_args(f"{prefix}-out", {}, max_steps=2, learning_rate=3e-3, **{**common, **zero(3)})
+    reward = lambda completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids]  # noqa: E731
+    trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=GRPOTrainer)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    prompts = [["Once upon", "Hello there"], ["Numbers: 1 2", "xyz"]][rank]  # each process its own
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    sharded = all(hasattr(p, "ds_id") for p in policy.parameters())
+    gathered = lambda: deepspeed.zero.GatheredParameters(list(policy.parameters()))  # noqa: E731
+    ours, reference, mask = greedy_pair(trainer, policy, tokenizer, prompts, gathered)
+    transport, pushes = transport_of()
+    result = {
+        "equal": bool(torch.equal(ours[mask], reference[:, : mask.size(1)][mask])), "tokens": int(mask.sum()),
+        "sharded": sharded, "transport": transport, "network_pushes": pushes, "files_written": len(FILES_WRITTEN),
+    }  # fmt: skip
+    Path(f"{prefix}-{rank}.json").write_text(json.dumps(result))
+    exit_without_teardown()
+
+
+def greedy_pair(trainer, policy, tokenizer, prompts, gathered):
+    """Greedy completions of `prompts` from the run's engine (the server: the weights pushed first if they changed)
+    and from `policy.generate` inside `gathered()`: (the engine's ids, generate's ids, the engine's mask)."""
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompts)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    engine = trainer.rollout or trainer.experience.sampler.engine_for(policy)
+    engine.generation_config = config
+    ours = engine.generate(policy, prompt_ids, prompt_mask)
+    with gathered():
+        reference = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                    eos_token_id=engine.eos_token_ids)[:, prompt_ids.size(1) :]  # fmt: skip
+    return ours.completion_ids, reference, ours.completion_mask.bool()
+
+
 def train_lora(prefix, model, tokenizer, dataset, common) -> None:
     from peft import LoraConfig
 
@@ -190,19 +236,13 @@ def train_lora(prefix, model, tokenizer, dataset, common) -> None:
     trainer = make_trainer(args, reward, dataset, tokenizer=tokenizer, model=model, trainer_cls=GRPOTrainer,
                            peft_config=lora)  # fmt: skip
     trainer.train()
-    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, ["Once upon", "Hello there", "xyz"])
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    engine = trainer.rollout or trainer.experience.sampler.engine_for(trainer.accelerator.unwrap_model(trainer.model))
-    engine.generation_config = config
     policy = trainer.accelerator.unwrap_model(trainer.model).eval()
-    ours = engine.generate(policy, prompt_ids, prompt_mask)
-    reference = policy.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, eos_token_id=engine.eos_token_ids
-    )[:, prompt_ids.size(1) :]
-    mask = ours.completion_mask.bool()
-    transport, pushes = transport_of(engine)
+    prompts = ["Once upon", "Hello there", "xyz"]
+    ours, reference, mask = greedy_pair(trainer, policy, tokenizer, prompts, contextlib.nullcontext)
+    engine = trainer.rollout or trainer.experience.sampler.engine_for(policy)
+    transport, pushes = transport_of()
     result = {
-        "equal": bool(torch.equal(ours.completion_ids[mask], reference[:, : mask.size(1)][mask])),
+        "equal": bool(torch.equal(ours[mask], reference[:, : mask.size(1)][mask])),
         "tokens": int(mask.sum()), "pushes": len(engine.push_seconds), "adapter_bytes": engine.backend.adapter.bytes,
         "transport": transport, "network_pushes": pushes, "files_written": len(FILES_WRITTEN),
     }  # fmt: skip
