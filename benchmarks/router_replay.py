@@ -14,7 +14,7 @@ its own. Prints, per step and mode, the metrics the trainer logs:
 - `router/route_mismatch`: the share of (token, layer) routes whose top-k set in the loss forward (before replay)
   differs from the rollout's; `router/token_mismatch`: the share of tokens with any differing layer;
 - `router/logp_gap`: mean |log pi_train - log pi_rollout| over completion tokens; `router/k3_kl`: the k3 estimate of
-  KL(rollout || train) (the loop engine records its log-probs here: `Sampler.record_logps`);
+  KL(rollout || train) (the engine records its log-probs for them: `Sampler.metric_logps`);
 
 and the seconds and peak memory of each step (CUDA: peak allocated in the step; CPU: the process's peak RSS so
 far). Then one line per mode: the means over the steps and the median step time after the first.
@@ -122,7 +122,6 @@ def run_mode(mode: str, steps: int, dtype_name: str, rollout_dtype_name: str, nu
             model, toy_reward, args, train_dataset=toy_dataset(tokenizer), processing_class=tokenizer
         )
         trainer.remove_callback(PrinterCallback)
-        trainer.experience.sampler.record_logps = True  # the loop engine's own log-probs: router/logp_gap, k3_kl
         if rollout_dtype_name != dtype_name:
             rollout_under_autocast(trainer.experience.sampler, getattr(torch, rollout_dtype_name))
         clock = _step_clock()
