@@ -243,6 +243,33 @@ def test_the_check_at_connect_names_the_first_parameters_that_differ(tokenizer, 
     assert "could not be listed (nothing was listed)" in caplog.text
 
 
+def test_the_check_at_connect_takes_fused_experts_for_the_checkpoints_one_by_one(tmp_path):
+    """A transformers 5 Qwen3-MoE policy holds each layer's experts fused (`experts.gate_up_proj`), its checkpoint one
+    by one (`experts.0.gate_proj.weight`, ...): the same model passes; experts of another size are named."""
+    import safetensors
+    import transformers
+
+    from grpo_hf.rollout.weight_transfer import checkpoint_weights
+
+    def moe(moe_intermediate_size):
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=moe_intermediate_size,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[1],
+        )  # fmt: skip
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    model = moe(16)
+    model.save_pretrained(tmp_path)
+    with safetensors.safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored.keys()
+    policy = policy_weights(model)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in [row[0] for row in policy]
+    check_same_weights(policy, checkpoint_weights(str(tmp_path)), "http://x")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.\* has shape \(3072,\) \(server: \(6144,\)\)"):
+        check_same_weights(policy_weights(moe(8)), checkpoint_weights(str(tmp_path)), "http://x")
+
+
 def test_the_policys_names_under_lora_are_the_merged_weights_names(tokenizer):
     from peft import LoraConfig, get_peft_model
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -328,8 +329,8 @@ def check_same_weights(policy: list[tuple[str, str, tuple[int, ...], bool]], ser
         why = "nothing was listed" if served is None else served.get("error")
         logger.info(f"The parameters of the vLLM server at {url} could not be listed ({why}): not compared.")
         return
-    theirs = {name: (dtype, tuple(shape)) for name, dtype, shape in served}
-    ours = {name: (dtype, shape) for name, dtype, shape, _ in policy}
+    theirs = pool_experts({name: (dtype, tuple(shape)) for name, dtype, shape in served})
+    ours = pool_experts({name: (dtype, tuple(shape)) for name, dtype, shape, _ in policy})
     tied = {name for name, _, _, is_tied in policy if is_tied}
     problems = [f"{name} {shape} is not in the server's model" for name, (_, shape) in ours.items()
                 if name not in theirs and name not in tied]  # fmt: skip
@@ -348,6 +349,23 @@ def check_same_weights(policy: list[tuple[str, str, tuple[int, ...], bool]], ser
     cast = sorted({(ours[n][0], theirs[n][0]) for n in theirs if n in ours and ours[n][0] != theirs[n][0]})
     if cast:
         logger.info(f"The policy's weights are {cast[0][0]}, the server's checkpoint {cast[0][1]}: vLLM casts them.")
+
+
+def pool_experts(weights: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`{name: (dtype, shape)}` with the weights under each MoE `experts` module pooled into one entry, `<module>.*`,
+    of their total size: transformers 5 holds a module's experts fused (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]), which is what the trainer pushes and vLLM loads, where a checkpoint has them one
+    by one (`experts.{e}.gate_proj.weight` [I, H], ...)."""
+    pooled: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, (dtype, shape) in weights.items():
+        module, found, _ = name.partition(".experts.")
+        if not found:
+            pooled[name] = (dtype, shape)
+            continue
+        key = f"{module}.experts.*"
+        before = pooled[key][1][0] if key in pooled else 0
+        pooled[key] = (dtype, (before + math.prod(shape),))
+    return pooled
 
 
 def checkpoint_weights(model: str, revision: str | None = None) -> list[list] | dict[str, str]:
