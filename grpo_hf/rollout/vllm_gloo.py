@@ -5,10 +5,12 @@ build). It runs inside the server's workers only: `grpo_hf.vllm_plugin` register
 
 Like vLLM's NCCL engine, with only the transport changed: the trainer is rank 0 of the group, the workers ranks
 `rank_offset + their global rank`; each update is loaded by the model's `load_weights` inside vLLM's layerwise reload
-(`start_weight_update` / `finish_weight_update`). Each `/update_weights` is one bucket: its names, dtypes and shapes
-in the request, its bytes in a broadcast per tensor (the trainer sends its parameters as they are), or packed in one
-(`weight_transfer.pack` / `unpack`, `packed` in the init info). At init the first worker puts the
-served checkpoint's parameters into the group's store, for the trainer's check (`weight_transfer.check_same_weights`).
+(`start_weight_update` / `finish_weight_update`), with vLLM's CPU MoE experts made to reload exactly
+(`vllm_moe_reload`, installed when the worker builds the engine, so that a reload from files is exact too). Each
+`/update_weights` is one bucket: its names, dtypes and shapes in the request, its bytes in a broadcast per tensor (the
+trainer sends its parameters as they are), or packed in one (`weight_transfer.pack` / `unpack`, `packed` in the init
+info). At init the first worker puts the served checkpoint's parameters into the group's store, for the trainer's
+check (`weight_transfer.check_same_weights`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from grpo_hf.rollout.vllm_moe_reload import exact_moe_reload
 from grpo_hf.rollout.weight_transfer import (
     SERVED_WEIGHTS_KEY,
     GlooGroup,
@@ -62,6 +65,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
+        # vLLM builds this engine once the model is loaded: from now on its CPU MoE experts reload exactly, from the
+        # network and from files (`/collective_rpc reload_weights`) alike
+        self.exact_moe_layers = exact_moe_reload(model)
         self.group: GlooGroup | None = None
         self.packed = False  # each bucket in one broadcast (as `weight_transfer.pack` packs it), or one per tensor
         # the checkpoint the server started from: a reload from files (`/collective_rpc reload_weights`) points the
