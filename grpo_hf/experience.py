@@ -130,7 +130,8 @@ class ExperienceMaker:
         self.router = RouterReplay.of(args.router_replay, accelerator.unwrap_model(models.policy()), metrics)
         # Its log-prob gap: the engine's own log-probs, where no loss reads them (no correction, no off-policy mask)
         quiet = args.sampling_correction() is None and args.off_policy_mask_threshold is None
-        sampler.metric_logps = self.router is not None and quiet
+        if self.router is not None and quiet:
+            sampler.metric_logps, self.replay = self.metric_sampling()
         # Old log-probs differ from the current policy's only if an optimizer step happens between generation and
         # the last use of the batch: unless all steps_per_generation x num_iterations micro-steps of one rollout fall
         # inside one accumulation window.
@@ -203,16 +204,35 @@ class ExperienceMaker:
         replay cannot describe, is refused here, when the trainer is built (`SamplingSpec.check`). vLLM pads no prompt:
         its repetition penalty never reads padding, whatever the installed `generate` does with it."""
         corrected = self.args.sampling_correction() is not None
+        spec = self.sampling_spec()
+        spec.check(corrected=corrected, multi_turn=bool(self.sampler.tools))
+        return SamplingReplay.of(spec, self.args.temperature) if corrected else None
+
+    def sampling_spec(self) -> SamplingSpec:
+        """What the engines sample from (`SamplingSpec.of`): the engine kind, the settings as the engines resolve them,
+        a VLM's blocked image tokens."""
         policy = self.accelerator.unwrap_model(self.models.policy())
-        spec = SamplingSpec.of(
+        return SamplingSpec.of(
             policy,
             self.sampler.generation.generation_config,
             kind=engine_kind(self.args.rollout_engine, self.args.use_vllm),
             skip_padding=True if self.args.use_vllm else None,
             blocked_token_ids=image_token_ids(policy),
         )
-        spec.check(corrected=corrected, multi_turn=bool(self.sampler.tools))
-        return SamplingReplay.of(spec, self.args.temperature) if corrected else None
+
+    def metric_sampling(self) -> tuple[bool, SamplingReplay | None]:
+        """For the router metrics' log-prob gap where no loss reads the sampler's log-probs: whether the engine records
+        them, and the replay of its distribution on the trainer's logits (None: the trainer's temperature-only
+        softmax). A sampler that truncates or penalises (top_k, top_p, ...) draws from another distribution than the
+        trainer's log-probs: the replayed ones (`batch.old_sampling_logps`, which no loss reads without a correction)
+        are compared instead, like with like (`replay.RouterReplay.record`). Settings the replay cannot describe:
+        no gap (logged)."""
+        spec = self.sampling_spec()
+        why = spec.refusal(corrected=True, multi_turn=bool(self.sampler.tools))
+        if why is not None:
+            logger.info("MoE router metrics: no router/logp_gap, the sampling distribution is not replayable: %s", why)
+            return False, None
+        return True, SamplingReplay.of(spec, self.args.temperature)
 
     def set_old_logps(self, batch: MicroBatch) -> None:
         """`batch.old_logps` where an optimizer step separates the rollout from its last use (else None: the current

@@ -30,8 +30,10 @@ What a caller may rely on:
     choice replay overrode;
   - `router/logp_gap` (mean |delta|) and `router/k3_kl` (Schulman's k3 estimate of KL(sampler || trainer), from
     samples of the sampler): the loss forward's log-probs against the sampler's own (`sampling_logps`) on completion
-    tokens, where the sampler recorded them (vLLM, a stale batch of the async producer, `rollout_func`). After an
-    optimizer step on the same rollout (num_iterations > 1), they include the policy's own change.
+    tokens, where the sampler recorded them (vLLM, a stale batch of the async producer, `rollout_func`), both under
+    the distribution the sampler drew from (`trainer_logps`: its top-k, top-p, penalties replayed on the trainer's
+    logits, not log(kept mass) in every token's gap). After an optimizer step on the same rollout
+    (num_iterations > 1), they include the policy's own change.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ class RouterReplay:
             live_read = (routing.live >= 0).all(dim=-1).all(dim=-1)  # [B, P + T] tokens the loss forward ran
             counts[0] = route_mismatch_counts(batch.routes.to(routing.live.device), routing.live, live_read)
         if batch.sampling_logps is not None and logps is not None:
-            counts[1] = logp_gap_sums(logps.detach(), batch.sampling_logps, batch.completion_mask)
+            counts[1] = logp_gap_sums(trainer_logps(logps, batch), batch.sampling_logps, batch.completion_mask)
         differ, compared, tokens_differ, tokens, gap, k3, gap_tokens, _ = torch.cat(counts).tolist()  # one sync
         for name, numerator, denominator in (
             ("route_mismatch", differ, compared),
@@ -182,6 +184,19 @@ class RouterReplay:
             ("k3_kl", k3, gap_tokens),
         ):
             self.metrics.add_ratio("train", f"router/{name}", numerator, denominator)
+
+
+def trainer_logps(logps: Tensor, batch: MicroBatch) -> Tensor:
+    """The loss forward's log-probs `logps` [B, T] under the distribution the sampler drew from, detached: as they are
+    where that is the trainer's softmax; where the sampler truncates or penalises (`batch.old_sampling_logps`, its
+    processors replayed on the trainer's logits: the loss forward's own without old log-probs, else the old forward's,
+    moved by log(pi / pi_old), as `Objective.off_policy_logps` moves the sampler's)."""
+    logps = logps.detach()
+    if batch.old_sampling_logps is None:
+        return logps
+    if batch.old_logps is None:
+        return batch.old_sampling_logps.to(logps.device)
+    return batch.old_sampling_logps.to(logps.device) + (logps - batch.old_logps.to(logps.device))  # [B, T]
 
 
 def logp_gap_sums(logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> Tensor:
