@@ -118,10 +118,12 @@ class GRPOConfig(VLLMArguments, TrainingArguments):
             "help": "Mixture-of-Experts models (a config with `output_router_logits`): the training loss adds this "
             "coefficient x the model's load-balancing loss (its `aux_loss`, over the prompt + completion tokens of "
             "the micro-batch), logged as `aux_loss`. None: the model config's `router_aux_loss_coef` (0 if none); "
-            "0.0: off. A non-zero value with a model that is not MoE is an error. While on, the shared-prefix forward "
-            "counts each prompt token's routing once per row, as the padded forward does; one group's backward at a "
-            "time (backward_per_group) first runs a no-grad routing pass over the micro-batch for the expert counts, "
-            "which span every group (a model whose load-balancing loss is not Switch Transformer's: one backward)."
+            "0.0: off. A non-zero value with a model that is not MoE, or whose forward computes no load-balancing "
+            "loss (DeepSeek-V3: its config's own value then counts as 0), is an error. While on, the shared-prefix "
+            "forward counts each prompt token's routing once per row, as the padded forward does; one group's "
+            "backward at a time (backward_per_group) first runs a no-grad routing pass over the micro-batch for the "
+            "expert counts, which span every group (a model whose load-balancing loss is not Switch Transformer's: "
+            "one backward)."
         },
     )
     router_replay: RouterReplayMode = field(

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from grpo_hf.peft_utils import base_model
@@ -51,7 +53,8 @@ def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
     """The weight of the MoE load-balancing loss in the training loss (`router_aux_loss_coef`, TRL's rule): for a
     model whose config has `output_router_logits` (a Mixture-of-Experts model that can return its router logits),
     `coef`, or the config's own `router_aux_loss_coef` (0 if none) when `coef` is None; 0 for other models, for
-    which a non-zero `coef` is an error."""
+    which a non-zero `coef` is an error, as it is for an MoE model whose forward computes no such loss (DeepSeek-V3;
+    its config's own weight then counts as 0)."""
     config = base_model(model).config.get_text_config()
     is_moe = hasattr(config, "output_router_logits")
     if coef is not None and coef != 0.0 and not is_moe:
@@ -62,4 +65,20 @@ def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
         )
     if not is_moe:
         return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+    weight = float((getattr(config, "router_aux_loss_coef", None) or 0.0) if coef is None else coef)
+    if weight != 0.0 and not has_load_balancing_loss(model):
+        if coef is None:  # the config's own weight, for a loss its forward does not compute: nothing to add
+            return 0.0
+        raise ValueError(
+            f"router_aux_loss_coef={coef}, but {type(base_model(model)).__name__} computes no load-balancing loss "
+            "(its modeling module has no `load_balancing_loss_func`: DeepSeek-V3 balances its experts with a bias, "
+            "without an auxiliary loss), so there is none to weight. Leave router_aux_loss_coef=None (or 0.0)."
+        )
+    return weight
+
+
+def has_load_balancing_loss(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward can return an MoE load-balancing loss: its modeling module defines transformers'
+    `load_balancing_loss_func` (every MoE family with an auxiliary loss does; DeepSeek-V3's does not)."""
+    module = sys.modules.get(type(base_model(model)).__module__)
+    return getattr(module, "load_balancing_loss_func", None) is not None
