@@ -13,10 +13,10 @@ What goes wrong in vLLM 0.32.0 without it (paths under `vllm/model_executor/`):
 - A reload (`reload_weights`, or `start_weight_update` ... `finish_weight_update`) loads the checkpoint's weights into
   a fresh copy of each layer, runs the same `process_weights_after_loading` on it and copies the result into the
   start-up storage (`model_loader/reload/layerwise.py:371-398`, `_copy_and_restore_kernel_tensors` at 416-433). This
-  time `moe_kernel` is set, so `_setup_kernel` takes its weight-update branch (`is_weight_update`, line 189) and skips
-  the experts' step (lines 193-205): the storage receives the weights in checkpoint order, which the kernel reads as
-  prepacked (wrong weights, no error); where padding changed the shape the copy fails instead
-  (`RuntimeError: The size of tensor a (128) must match the size of tensor b (96)`).
+  time `moe_kernel` is set, so `_setup_kernel` takes its weight-update branch (`is_weight_update`, line 187) and skips
+  the experts' step (`if not is_weight_update`, lines 191-205): the storage receives the weights in checkpoint order,
+  which the kernel reads as prepacked (wrong weights, no error); where padding changed the shape the copy fails
+  instead (`RuntimeError: The size of tensor a (128) must match the size of tensor b (96)`).
 
 The fix here: each such layer's quant method processes a reload the way it processed the first load (its `moe_kernel`
 is dropped first, so `_setup_kernel` builds a kernel and runs the experts' step again, and vLLM's reload copies padded,
