@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ import tempfile
 import threading
 from typing import Any
 
+import safetensors
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -163,6 +165,50 @@ def _to(value: Any, device: torch.device | str) -> Any:
     if isinstance(value, list):
         return [_to(item, device) for item in value]
     return value
+
+
+def saved_weight_names(checkpoint: str) -> set[str] | None:
+    """The names of the weights in `checkpoint`'s safetensors file (or index); None when it has neither."""
+    single, index = os.path.join(checkpoint, "model.safetensors"), os.path.join(checkpoint, _WEIGHTS[1])
+    if os.path.isfile(single):
+        with safetensors.safe_open(single, framework="pt") as weights:
+            return set(weights.keys())
+    if os.path.isfile(index):
+        with open(index) as file:
+            return set(json.load(file)["weight_map"])
+    return None
+
+
+def load_converted_weights(checkpoint: str, model: torch.nn.Module) -> bool:
+    """Load `checkpoint`'s weights into `model` as `from_pretrained` reads them, where the checkpoint names weights
+    the model does not have and lacks some it has; False (nothing done) otherwise, or for a PEFT model (its
+    checkpoint holds the adapters alone).
+
+    transformers 5 writes a Mixture-of-Experts model in the Hub's layout, one tensor per expert, through its weight
+    conversion (`save_pretrained`), and `Trainer._load_from_checkpoint` reads a checkpoint with a plain
+    `load_state_dict(strict=False)`, which finds none of the fused expert weights (`experts.gate_up_proj`,
+    `experts.down_proj`) and leaves them as they were before the resume, with a warning (transformers issue 48805):
+    a resumed MoE run trained different experts from the checkpoint's. `from_pretrained` converts them back."""
+    saved = saved_weight_names(checkpoint)
+    own = set(model.state_dict())
+    if saved is None or hasattr(model, "peft_config") or not (saved - own and own - saved):
+        return False
+    weights = model.state_dict()
+    loaded = type(model).from_pretrained(checkpoint, dtype=next(iter(weights.values())).dtype).state_dict()
+    missing = sorted(own - set(loaded))
+    if missing:
+        raise RuntimeError(
+            f"{checkpoint} does not hold {missing[:5]} ({len(missing)} weights of {type(model).__name__}), not even "
+            "through transformers' conversion of its layout: it was written for another model. Resume from a "
+            "checkpoint of this model."
+        )
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            tensor.copy_(loaded[name])
+    logger.info(
+        "Loaded %s's weights through transformers' layout conversion (%d renamed)", checkpoint, len(own - saved)
+    )
+    return True
 
 
 def save_run_state(checkpoint: str, rank: int, state: dict[str, Any]) -> None:
@@ -336,6 +382,13 @@ class AtomicCheckpoints:
             logger.info(
                 f"Saved the full model gathered from the FSDP shards ({plugin.state_dict_type}) to {output_dir}"
             )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """`Trainer._load_from_checkpoint`, then the weights it leaves out of a model whose checkpoint is written in
+        another layout (`load_converted_weights`: a Mixture-of-Experts model's experts)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            load_converted_weights(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
 
     def _get_output_dir(self, trial) -> str:
         return self._staging_dir or super()._get_output_dir(trial)

@@ -159,3 +159,21 @@ def test_trainers_built_one_after_another_in_one_process_keep_their_hooks_apart(
             for site in router_sites(trainer.experience.models.reference):
                 assert hooks_of(site.module) == 1 and getattr(site.module, routers._STATE).routes is None
         del trainer
+
+
+def test_a_resumed_moe_run_trains_the_checkpoints_experts(tmp_path):
+    """transformers writes an MoE checkpoint one tensor per expert and `Trainer` resumes it with a plain
+    `load_state_dict`, which misses the fused expert weights (`checkpoint.load_converted_weights` loads them): the
+    run resumed from step 1 (its buffered batch with its routes, under r3) repeats the uninterrupted step 2 exactly."""
+    settings = dict(max_steps=2, steps_per_generation=2, save_strategy="steps", save_steps=1)
+    runs = []
+    for resume in (None, str(tmp_path / "checkpoint-1")):
+        args = tiny_run_args(tmp_path, RUN, router_replay="r3", **settings)
+        trainer = make_trainer(args, model=moe("qwen3_moe"), tokenizer=TOKENIZER)
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append((train_logs(trainer)[-1], dict(trainer.model.named_parameters())))
+    (logs, weights), (resumed_logs, resumed_weights) = runs
+    assert resumed_logs["kl"] == logs["kl"] and resumed_logs["grad_norm"] == logs["grad_norm"]
+    assert any("experts.gate_up_proj" in name for name in weights)
+    for name, weight in weights.items():
+        assert torch.equal(resumed_weights[name], weight), name
