@@ -294,7 +294,8 @@ def test_routing_replay_with_an_engine_that_cannot_record_is_refused_when_the_tr
 
 def test_two_processes_gather_and_stack_dynamic_sampling_rounds_with_their_routes(tmp_path):
     """2 gloo processes (`tests/distributed/routes_step.py`): refill rounds of other widths gathered across the
-    processes and stacked; every micro-batch each process trained on carries its own tokens' routes."""
+    processes and stacked; every micro-batch each process trained on carries its own tokens' routes, and the run
+    replaying them (r3) logs no route mismatch and no log-prob gap on either process."""
     import json
 
     from conftest import torchrun
@@ -303,6 +304,10 @@ def test_two_processes_gather_and_stack_dynamic_sampling_rounds_with_their_route
     results = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
     assert all(r["checked"] and r["batches"] >= 1 for r in results)
     assert results[0]["extra_rounds"] >= 1  # a refill round was gathered and stacked
+    for result in results:  # r3 on both processes: the weights that sampled, the same experts, the same log-probs
+        router = result["router"]
+        assert router["router/route_mismatch"] == 0.0 and router["router/token_mismatch"] == 0.0
+        assert router["router/logp_gap"] < 1e-5
 
 
 def test_a_checkpoint_keeps_the_routes_of_its_buffered_batches(tmp_path):

@@ -7,7 +7,8 @@ same reward), so dynamic sampling drops their groups and refills from fresh prom
 prompt and completion widths on each process, are gathered across the processes (`dynamic.gather_rows`), stacked
 (`stack_rows`) and handed back, routes with them. With learning rate 0 the weights stay those that sampled, so every
 process checks each micro-batch it trained on against one plain full forward of its tokens
-(`test_rollout_routes.assert_routes_of_tokens`) and writes what it found to OUT_DIR/rank_<r>.json.
+(`test_rollout_routes.assert_routes_of_tokens`) and writes what it found to OUT_DIR/rank_<r>.json. The run replays the
+routes (router_replay='r3', a reference forward with beta > 0): its router metrics go there too.
 """
 
 import json
@@ -52,6 +53,7 @@ def main(out_dir: str) -> None:
         per_device_train_batch_size=GLOBAL_BATCH // world_size, num_generations=G, max_completion_length=6,
         max_steps=1, learning_rate=0.0, shuffle_dataset=False, dynamic_sampling=True, dynamic_sampling_max_rounds=2,
         use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, rollout_engine="loop", report_to="none",
+        router_replay="r3", beta=0.1,
     )  # fmt: skip
     trainer = make_trainer(tiny_run_args(out_dir, {}, **settings), reward, dataset, tokenizer=tokenizer,
                            model=moe_model(tokenizer))  # fmt: skip
@@ -61,7 +63,8 @@ def main(out_dir: str) -> None:
         assert_routes_of_tokens(model, batch.routes, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                 batch.completion_mask)  # fmt: skip
     logs = next(h for h in trainer.state.log_history if "loss" in h)
-    result = {"batches": len(batches), "extra_rounds": logs["dynamic_sampling/extra_rounds"], "checked": True}
+    result = {"batches": len(batches), "extra_rounds": logs["dynamic_sampling/extra_rounds"], "checked": True,
+              "router": {k: v for k, v in logs.items() if k.startswith("router/")}}  # fmt: skip
     (Path(out_dir) / f"rank_{rank}.json").write_text(json.dumps(result))
     trainer.accelerator.end_training()
 
