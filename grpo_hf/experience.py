@@ -138,6 +138,16 @@ class ExperienceMaker:
         self.needs_old_logps = (
             args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
         )
+        if self.router is not None and self.router.records_old and not self.needs_old_logps:
+            logger.warning(
+                "router_replay='r2' replays the old-policy forward's experts, but no optimizer step falls between "
+                "that forward and a batch's loss forwards here (gradient_accumulation_steps=%d is a multiple of "
+                "steps_per_generation x num_iterations=%d): the loss forward chooses those experts anyway, and r2 "
+                "costs one extra no-grad forward per micro-batch for nothing. Use router_replay='r3' for the "
+                "rollout's experts, or 'off'.",
+                args.gradient_accumulation_steps,
+                args.steps_per_generation * args.num_iterations,
+            )
         self.num_generate_calls = 0  # rollout rounds generated (tests count rollout reuse with it)
         self.num_tokens = 0  # prompt + completion tokens so far (of the kept groups), over all processes
         # `log_completions`: the last training rollout's rows, and the rows of the evaluation under way

@@ -6,6 +6,7 @@ The "rollout" here is a tiny MoE whose routers were perturbed: its routes differ
 replayed forward is checked against the same forward done by hand under `routers.replaying`."""
 
 import dataclasses
+import logging
 import math
 import types
 
@@ -340,6 +341,22 @@ def test_the_trainer_under_r2_replays_the_old_forwards_routes_in_the_reference_a
     assert ran.float().mean() > 0.5 and int(batch.old_routes.max()) < 4
     assert len(replayed) >= 2  # the reference forward's and the loss forward's
     assert_rows_of(replayed, batch.old_routes)
+
+
+@pytest.mark.parametrize(("num_iterations", "warned"), [(1, True), (2, False)])
+def test_r2_without_an_optimizer_step_before_the_loss_forward_warns(tokenizer, caplog, num_iterations, warned):
+    """r2 where no optimizer step separates the old forward from the loss forwards (num_iterations=1,
+    steps_per_generation = gradient_accumulation_steps) replays what the loss forward chooses anyway, for one extra
+    forward: the trainer says so when it is built, and not where a step does separate them."""
+    from conftest import make_trainer, tiny_run_args
+
+    args = tiny_run_args(router_replay="r2", rollout_engine="loop", num_iterations=num_iterations)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.experience"):
+        make_trainer(args, model=tiny_moe(tokenizer), tokenizer=tokenizer)
+    said = [r.getMessage() for r in caplog.records if "router_replay='r2'" in r.getMessage()]
+    assert bool(said) is warned, said
+    if warned:
+        assert "extra no-grad forward" in said[0] and "router_replay='r3'" in said[0]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
