@@ -387,8 +387,18 @@ class AtomicCheckpoints:
         """`Trainer._load_from_checkpoint`, then the weights it leaves out of a model whose checkpoint is written in
         another layout (`load_converted_weights`: a Mixture-of-Experts model's experts)."""
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_converted_weights(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """`Trainer._load_best_model` (`load_best_model_at_end`), then the weights it leaves out as resume does: it
+        reads the best checkpoint with the same plain `load_state_dict`, so an MoE model kept its last experts."""
+        super()._load_best_model()
+        self._load_converted_weights(self.state.best_model_checkpoint)
+
+    def _load_converted_weights(self, checkpoint: str) -> None:
+        """`load_converted_weights` into the unwrapped model; not under FSDP or DeepSpeed (they load their own)."""
         if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
-            load_converted_weights(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
+            load_converted_weights(checkpoint, self.accelerator.unwrap_model(self.model))
 
     def _get_output_dir(self, trial) -> str:
         return self._staging_dir or super()._get_output_dir(trial)

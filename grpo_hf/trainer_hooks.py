@@ -27,6 +27,7 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_get_output_dir": ("trial",),
     "_save_checkpoint": ("model", "trial"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_best_model": (),
     # called
     "_get_collator_with_removed_columns": ("data_collator", "description"),
     "_remove_unused_columns": ("dataset", "description"),

@@ -20,7 +20,7 @@ asynchronous producer, dynamic sampling, the generate engine, bf16 autocast, and
 import pytest
 import torch
 import transformers
-from conftest import build_tiny_tokenizer, make_trainer, tiny_run_args, train_logs
+from conftest import build_tiny_tokenizer, make_dataset, make_trainer, tiny_run_args, train_logs
 from test_families import COMMON, CONFIGS
 from test_router_replay import replay_spy
 from test_routers import OWN_CONFIGS
@@ -177,3 +177,33 @@ def test_a_resumed_moe_run_trains_the_checkpoints_experts(tmp_path):
     assert any("experts.gate_up_proj" in name for name in weights)
     for name, weight in weights.items():
         assert torch.equal(resumed_weights[name], weight), name
+
+
+def step_penalised_reward(completion_ids, trainer_state, **kwargs):
+    """Varies within a group (advantages non-zero), and falls by 100 a step: the first evaluation scores best."""
+    return [float(sum(ids) % 7) - 100.0 * trainer_state.global_step for ids in completion_ids]
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_experts(tmp_path):
+    """`Trainer._load_best_model` reads the best checkpoint with a plain `load_state_dict` too, which misses an MoE
+    model's fused expert weights (written one tensor per expert): after a run whose best checkpoint is its first of
+    two, every weight of the trained model is that checkpoint's as `from_pretrained` reads it, experts included."""
+    args = tiny_run_args(
+        tmp_path, RUN, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=4, load_best_model_at_end=True, metric_for_best_model="eval_reward",
+    )  # fmt: skip
+    trainer = make_trainer(
+        args, step_penalised_reward, model=moe("qwen3_moe"), tokenizer=TOKENIZER, eval_dataset=make_dataset(2)
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    best, last = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).state_dict()
+        for name in ("checkpoint-1", "checkpoint-2")
+    )
+    experts = [name for name in best if "experts.gate_up_proj" in name]
+    assert experts and not any(torch.equal(best[name], last[name]) for name in experts)  # step 2 moved them
+    weights = trainer.model.state_dict()
+    assert weights.keys() == best.keys()
+    for name, weight in weights.items():
+        assert torch.equal(weight, best[name]), name
