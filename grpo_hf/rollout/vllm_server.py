@@ -62,15 +62,20 @@ run's engine, the asynchronous producer's) pushes through it, since the server's
 
 
 def server_transfer(info: dict[str, Any]) -> tuple[str | None, int]:
-    """The server's weight-transfer backend (None: none) and its number of workers, from its `/server_info`."""
+    """The server's weight-transfer backend (None: none) and its number of workers, from its `/server_info`: vLLM's
+    `world_size_across_dp`, the workers of one engine (its `parallel_config.world_size`: tensor x pipeline x prefill
+    context parallel) times the data-parallel engines, which its weight-transfer engines number 1.. after the trainer
+    (`rank_offset` + data-parallel index x workers per engine + rank in the engine)."""
     config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
     transfer = config.get("weight_transfer_config") or info.get("weight_transfer_config")
     backend = transfer.get("backend") if isinstance(transfer, dict) else None
     parallel = config.get("parallel_config") or {}
-    workers = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        workers *= int(parallel.get(key) or 1)
-    return backend, workers
+    per_engine = int(parallel.get("world_size") or 0)
+    if per_engine < 1:  # a config without it: the sizes it is the product of
+        per_engine = 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size"):
+            per_engine *= int(parallel.get(key) or 1)
+    return backend, per_engine * int(parallel.get("data_parallel_size") or 1)
 
 
 def server_device(info: dict[str, Any]) -> str | None:
