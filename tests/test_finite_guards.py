@@ -56,8 +56,8 @@ class NaNReference(GRPOTrainer):
         super().__init__(*args, **kwargs)
         reference_logps = self.experience.reference_logps
 
-        def nan_in_the_first_rollout(batch):
-            logps = reference_logps(batch)
+        def nan_in_the_first_rollout(batch, routing=None):
+            logps = reference_logps(batch, routing)
             return logps * float("nan") if self.num_generate_calls == 1 else logps
 
         self.experience.reference_logps = nan_in_the_first_rollout
