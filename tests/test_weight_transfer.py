@@ -214,6 +214,20 @@ def test_a_gloo_group_broadcasts_from_rank_0():
         GlooGroup.broadcast(None, torch.zeros(4, 4).t())
 
 
+def test_a_group_port_in_use_is_refused_with_the_setting_to_change():
+    """Another run (or a trainer of this process connected to another server) listens on vllm_group_port: connecting
+    says which setting to change, instead of torch's EADDRINUSE from inside a thread."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        link = NetworkPush(lambda route, body=None, timeout=None: None, "gloo", "127.0.0.1", port, 2, timeout=10)
+        with pytest.raises(OSError, match=f"vllm_group_port={port} is already in use on this machine"):
+            link.connect()
+
+
 SENT = [((10,), torch.uint8), ((3, 4), torch.bfloat16), ((), torch.float32), ((5,), torch.float8_e4m3fn)]
 """Tensors of every kind a weight can be: gloo itself has no float8, a 0-dim tensor has no last dimension to view."""
 

@@ -222,9 +222,19 @@ class NetworkPush:
         if self.communicator is not None:  # a stand-in, already made
             self.request("/init_weight_transfer_engine", body)
             return None
-        self.communicator = concurrently(
-            lambda: self.request("/init_weight_transfer_engine", body), self._open, timeout=self.timeout
-        )[1]
+        try:
+            self.communicator = concurrently(
+                lambda: self.request("/init_weight_transfer_engine", body), self._open, timeout=self.timeout
+            )[1]
+        except Exception as error:
+            if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+                raise OSError(
+                    f"vllm_group_port={self.port} is already in use on this machine (another run, or a trainer of "
+                    "this process connected to another vLLM server, holds it), so the weight-transfer group cannot "
+                    "listen there. Set vllm_group_port to a free port; the server needs no change (the port travels "
+                    "in the group's init info)."
+                ) from error
+            raise
         if self.transport != GLOO:
             return None
         import json

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest's helpers
 
 from conftest import exit_without_teardown, make_trainer, tiny_run_args  # noqa: E402
+from test_vllm_server import free_port  # noqa: E402
 
 from grpo_hf import AsyncGRPOTrainer, GRPOTrainer  # noqa: E402
 from grpo_hf.parallel import fsdp2_gathered  # noqa: E402
@@ -59,6 +60,7 @@ def main(prefix: str, base_url: str, model_dir: str, layout: str = "ddp", stalen
         vllm_mode="server",
         vllm_server_base_url=base_url,
         vllm_server_timeout=60,
+        vllm_group_port=free_port(),  # used by process 0 only; the test's own process may hold the default (a link)
         use_cpu=True,
         save_strategy="no",
         seed=0,
