@@ -6,7 +6,8 @@ vLLM 0.32 documents ([P + T - 1, num_hidden_layers, k], dense layers 0). The `vl
 CPU build does: it refuses to return routes (Model Runner V2 needs Triton), routing replay with it is refused when the
 config is built, an MoE policy still trains with it under r2 (no rollout routes, no route metrics), and its routers
 choose the experts of a transformers forward of the same weights (read through vLLM's own capture hook). Two engine
-starts: the trainer's (weights pushed) and `benchmarks/vllm_routes.py`'s, which loads a checkpoint and reads its routers.
+starts: the trainer's (weights pushed) and `benchmarks/vllm_routes.py`'s, which loads a checkpoint and reads its
+routers.
 """
 
 import base64
