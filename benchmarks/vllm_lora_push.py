@@ -17,44 +17,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
+from vllm_server_push import free_port, start_server  # the same server start, with --enable-lora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model_dir: str, log_path: Path, rank: int) -> tuple[str, subprocess.Popen]:
-    port, log = free_port(), open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
-    command += ["--enable-lora", "--max-lora-rank", str(rank)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {log_path.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).close()
-            return url, process
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start in 300 s") from None
-            time.sleep(1)
 
 
 def lora_policy(model_dir: str, rank: int):
@@ -137,7 +108,9 @@ def main() -> None:
             from grpo_hf import offline_model_path
 
             model_dir = str(offline_model_path())
-        url, server = start_server(model_dir, Path(scratch) / "server.log", args.rank)
+        url, server = start_server(
+            model_dir, Path(scratch) / "server.log", ("--enable-lora", "--max-lora-rank", str(args.rank))
+        )
         try:
             print(json.dumps(measure(url, model_dir, args.pushes, args.rank, scratch), indent=1))
         finally:

@@ -40,10 +40,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: str, log_path: Path) -> tuple[str, subprocess.Popen]:
+def start_server(model_dir: str, log_path: Path, extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+    """`python -m grpo_hf.vllm_serve` of `model_dir` (fp32) on a free port, `extra` server flags; (its URL, the
+    process) once /health answers."""
     port, log = free_port(), open(log_path, "w")  # noqa: SIM115 (closed with the process)
     command = [sys.executable, "-m", "grpo_hf.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
+    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512", *extra]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
