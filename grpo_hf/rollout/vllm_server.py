@@ -206,8 +206,9 @@ class VLLMServer:
 
     def check_routes(self) -> None:
         """Routing replay (`router_replay='r3'`) needs a server that returns the MoE routes: refused, before any
-        rollout, when its `/server_info` says it does not; otherwise its rows carry them (or None)."""
-        records = server_records_routes(self.request("/server_info?config_format=json"))
+        rollout, when its `/server_info` (read by `connect`) says it does not; otherwise its rows carry them (or
+        None)."""
+        records = server_records_routes(self.server_info)
         if records is False and getattr(self.args, "router_replay", "off") == "r3":
             raise ValueError(
                 f"router_replay='r3' replays the MoE routes the rollout took, but the vLLM server at {self.url} was "
