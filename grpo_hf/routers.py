@@ -303,7 +303,15 @@ def _config(model: nn.Module):
 
 def _configured_as_moe(model: nn.Module) -> bool:
     config = _config(model)
-    return config is not None and any((getattr(config, key, None) or 0) > 0 for key in MOE_CONFIG_KEYS)
+    return config is not None and is_moe_config(config)
+
+
+def is_moe_config(config) -> bool:
+    """Whether a transformers config (a vision-language one: its text decoder's) says Mixture-of-Experts: one of
+    `MOE_CONFIG_KEYS` above 0."""
+    get_text = getattr(config, "get_text_config", None)
+    config = get_text(decoder=True) if get_text is not None else config
+    return any((getattr(config, key, None) or 0) > 0 for key in MOE_CONFIG_KEYS)
 
 
 def _family_of(module: nn.Module) -> Family | None:

@@ -48,7 +48,7 @@ from grpo_hf.rollout.weight_transfer import (
     policy_weights,
 )
 from grpo_hf.rollout.weights import named_weights
-from grpo_hf.routers import MOE_CONFIG_KEYS
+from grpo_hf.routers import is_moe_config
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class VLLMServer:
         self.is_main = accelerator is None or accelerator.is_main_process
         self.model_id, self.context_window, self.served, failure = None, None, {}, None
         self.server_info: dict[str, Any] = {}  # its /server_info (`connect`): the weight-transfer backend, the workers
-        self.moe = model_config is not None and any((getattr(model_config, k, 0) or 0) > 0 for k in MOE_CONFIG_KEYS)
+        self.moe = model_config is not None and is_moe_config(model_config)
         if self.is_main or per_process:  # the processes that send requests (built on the main threads)
             try:
                 self.model_id = self.connect()
